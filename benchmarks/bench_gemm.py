@@ -1,0 +1,813 @@
+"""GEMM + pointwise epilogue benchmark: helion_inductor against eager, torch.compile and max-autotune.
+
+Every case is one linear layer of Qwen3-8B or Qwen3-32B, ``F.linear`` followed by one epilogue, at one
+static number of tokens M. Each variant compiles the same module once per case and is timed by the GPU
+time of a CUDA-graph replay (median), next to the floor set by the measured copy bandwidth and matmul
+rate, with its output checked against a float64 reference.
+
+Typical use on the GPU machine (one call of at most ten minutes)::
+
+    python benchmarks/bench_gemm.py --out-dir "$OUT"              # default plan, ~54 cases
+    python benchmarks/bench_gemm.py --quick --out-dir "$OUT"      # 12 cases, fewer replays
+    python benchmarks/bench_gemm.py --full --suite qwen3_8b --m 1,2,4,8 --out-dir "$OUT"   # one shard
+    python benchmarks/bench_gemm.py --merge a/nvidia_h200_bf16.json b/nvidia_h200_bf16.json
+
+and on a CPU, to check the script end to end::
+
+    python benchmarks/bench_gemm.py --smoke --out-dir /tmp/bench_smoke
+
+Results go to ``<out-dir>/<device>_<dtype>.json`` and a Markdown table next to it; both are rewritten
+after every case, so a run cut short still leaves its finished rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import math
+import sys
+import tempfile
+import time
+import traceback
+import types
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (
+    Ceilings,
+    TimingConfig,
+    capture_calls,
+    device_tag,
+    measure_ceilings,
+    median_replay_ms,
+    relative_error,
+    run_metadata,
+    time_wallclock_us,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearShape:
+    name: str
+    k: int
+    n: int
+
+
+SUITES: dict[str, tuple[LinearShape, ...]] = {
+    # hidden 4096, intermediate 12288, q 4096, kv 1024
+    "qwen3_8b": (
+        LinearShape("q_o", 4096, 4096),
+        LinearShape("kv", 4096, 1024),
+        LinearShape("gate_up", 4096, 12288),
+        LinearShape("down", 12288, 4096),
+    ),
+    # hidden 5120, intermediate 25600, q 8192, kv 1024
+    "qwen3_32b": (
+        LinearShape("q", 5120, 8192),
+        LinearShape("o", 8192, 5120),
+        LinearShape("kv", 5120, 1024),
+        LinearShape("gate_up", 5120, 25600),
+        LinearShape("down", 25600, 5120),
+    ),
+}
+EPILOGUES = ("none", "bias", "bias_gelu_tanh", "silu", "residual")
+BIAS_EPILOGUES = ("bias", "bias_gelu_tanh")
+ALL_M = (1, 2, 4, 8, 16, 24, 32, 64, 128, 512, 2048)
+VARIANTS = ("eager", "compile", "max_autotune", "helion_inductor")
+HELION = "helion_inductor"
+DECODE_MAX_M = 32  # summary split: decode (M <= 32), where the backend should win, and larger M
+
+DTYPE_TAGS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+TAG_DTYPES = {tag: dtype for dtype, tag in DTYPE_TAGS.items()}
+# Relative Frobenius error allowed against float64: bf16 operands land between 1e-3 and 1e-2.
+TOLERANCES = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-4}
+
+# Rotating weights. A decode GEMM's bytes are almost all weight (>= 8 MB here) and the H200 has a 50 MB
+# L2: replaying one module back to back would serve the kv weight (8 MB) from L2 and "beat" the HBM
+# floor. Each case therefore builds enough distinct modules (weights, bias, inputs) that one pass over
+# them moves at least twice the L2 size, and the captured calls cycle through them; in a real decode
+# step ~100s of MB of other weights pass between two uses of one weight, so this is the faithful
+# setting. Large weights (gate_up, down) need a single copy.
+L2_WORKING_SET_FACTOR = 2
+DEFAULT_MAX_COPIES = 32
+# Per-variant recompile limit. All copies of a case share one compiled graph (parameters are graph
+# inputs), and Dynamo is reset before each variant; the limit is raised above the copy count anyway,
+# and hitting it fails loudly, because Dynamo's default on hitting it is to run eager silently.
+RECOMPILE_LIMIT = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmCase:
+    suite: str
+    name: str
+    m: int
+    k: int
+    n: int
+    epilogue: str
+    dtype: torch.dtype
+
+    @property
+    def label(self) -> str:
+        return f"{self.suite}/{self.name} M={self.m} K={self.k} N={self.n} {self.epilogue}"
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.k * self.n * self.dtype.itemsize
+
+    @property
+    def min_bytes(self) -> int:
+        """Fewest bytes one call must move: weight, activation, output and epilogue operand, once each."""
+        size = self.dtype.itemsize
+        operand = {"bias": self.n, "bias_gelu_tanh": self.n, "residual": self.m * self.n}.get(
+            self.epilogue, 0
+        )
+        return self.weight_bytes + (self.m * self.k + self.m * self.n + operand) * size
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.k * self.n
+
+
+def linear_epilogue(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    epilogue: str,
+) -> torch.Tensor:
+    """The computation of every case, written as model code writes it: this is what the backend must match."""
+    if epilogue == "none":
+        return F.linear(x, weight)
+    if epilogue == "bias":
+        return F.linear(x, weight, bias)
+    if epilogue == "bias_gelu_tanh":
+        return F.gelu(F.linear(x, weight, bias), approximate="tanh")
+    if epilogue == "silu":
+        return F.silu(F.linear(x, weight))
+    if epilogue == "residual":
+        return F.linear(x, weight) + residual
+    raise ValueError(f"unknown epilogue {epilogue!r}")
+
+
+class LinearEpilogue(torch.nn.Module):
+    """An ``nn.Linear``-like layer (weight [N, K], nn.Linear's init scale) followed by one epilogue.
+
+    The init scale keeps the GEMM output near unit size, where GELU and SiLU are not saturated and
+    an error in the epilogue shows in the relative error.
+    """
+
+    def __init__(self, case: GemmCase, device: torch.device) -> None:
+        super().__init__()
+        bound = 1.0 / math.sqrt(case.k)
+
+        def uniform(*shape: int) -> torch.nn.Parameter:
+            data = torch.empty(*shape, device=device, dtype=case.dtype).uniform_(-bound, bound)
+            return torch.nn.Parameter(data, requires_grad=False)
+
+        self.epilogue = case.epilogue
+        self.weight = uniform(case.n, case.k)
+        self.bias = uniform(case.n) if case.epilogue in BIAS_EPILOGUES else None
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        return linear_epilogue(x, self.weight, self.bias, residual, self.epilogue)
+
+    def reference(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The same computation in float64."""
+        bias = None if self.bias is None else self.bias.double()
+        res = None if residual is None else residual.double()
+        return linear_epilogue(x.double(), self.weight.double(), bias, res, self.epilogue)
+
+
+def weight_copies(case: GemmCase, l2_bytes: int, max_copies: int) -> int:
+    """Distinct modules to cycle through so that one pass moves ``L2_WORKING_SET_FACTOR`` x the L2 size."""
+    return max(1, min(max_copies, math.ceil(L2_WORKING_SET_FACTOR * l2_bytes / case.min_bytes)))
+
+
+@dataclasses.dataclass
+class Workload:
+    """The modules and inputs of one case; call ``i`` uses copy ``i % copies``."""
+
+    modules: list[LinearEpilogue]
+    inputs: list[torch.Tensor]
+    residuals: list[torch.Tensor | None]
+
+    @classmethod
+    def build(cls, case: GemmCase, copies: int, device: torch.device) -> Workload:
+        modules = [LinearEpilogue(case, device) for _ in range(copies)]
+        inputs = [torch.randn(case.m, case.k, device=device, dtype=case.dtype) for _ in range(copies)]
+        residuals = [cls._residual(case, device) for _ in range(copies)]
+        return cls(modules, inputs, residuals)
+
+    @staticmethod
+    def _residual(case: GemmCase, device: torch.device) -> torch.Tensor | None:
+        if case.epilogue != "residual":
+            return None
+        return torch.randn(case.m, case.n, device=device, dtype=case.dtype)
+
+    def call(self, fns: Sequence[Callable[..., torch.Tensor]], i: int) -> torch.Tensor:
+        j = i % len(self.modules)
+        return fns[j](self.inputs[j], self.residuals[j])
+
+    def refresh_inputs(self, j: int) -> None:
+        """Draw new random inputs for copy ``j`` in place (a captured graph reads them at replay)."""
+        self.inputs[j].normal_()
+        if self.residuals[j] is not None:
+            self.residuals[j].normal_()
+
+    def error_of(self, out: torch.Tensor, j: int) -> float:
+        return relative_error(out, self.modules[j].reference(self.inputs[j], self.residuals[j]))
+
+
+def import_helion_backend() -> types.ModuleType:
+    """Import the backend package, which registers ``helion_inductor`` unless its entry point did."""
+    return importlib.import_module("helion_backend")
+
+
+def helion_sites() -> str:
+    """Where each GEMM of the graphs compiled since the last ``clear_reports()`` ended up, and why.
+
+    A helion_inductor time means little without it: a site the backend left to Inductor (M above its
+    Helion limit, an unmatched epilogue) times Inductor, not Helion.
+    """
+    parts = []
+    for report in import_helion_backend().get_reports():
+        parts += [site.runs_on + (f" ({site.why})" if site.why else "") for site in report.sites]
+        parts += [f"unfused {gemm.op} ({gemm.reason})" for gemm in report.unfused_gemms]
+    return "; ".join(parts) or "no GEMM reported"
+
+
+def compile_variant(
+    variant: str, module: torch.nn.Module, device: torch.device
+) -> Callable[..., torch.Tensor]:
+    """``module`` as the variant runs it: static shapes, no CUDA graphs (the benchmark captures its own)."""
+    if variant == "eager":
+        return module
+    if variant == "compile":
+        return torch.compile(module, dynamic=False)
+    if variant == "max_autotune":
+        return torch.compile(module, mode="max-autotune-no-cudagraphs", dynamic=False)
+    if variant == HELION:
+        import_helion_backend()
+        options: dict[str, bool] = {"cudagraphs": False}
+        if device.type != "cuda":
+            options["rewrite_on_cpu"] = True  # the backend leaves CPU graphs alone unless asked
+        return torch.compile(module, backend=HELION, options=options, dynamic=False)
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+@dataclasses.dataclass
+class VariantResult:
+    """What one variant gave on one case; fields stay None past the step that failed."""
+
+    time_us: float | None = None
+    rel_err: float | None = None
+    compile_s: float | None = None
+    error: str | None = None
+    sites: str | None = None  # helion_inductor only: see helion_sites()
+
+
+def worst_error(a: float | None, b: float) -> float:
+    """The larger of two relative errors, NaN counting as the largest."""
+    if a is None or math.isnan(b):
+        return b
+    return a if math.isnan(a) else max(a, b)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_variant(
+    variant: str, workload: Workload, timing: TimingConfig, device: torch.device
+) -> VariantResult:
+    """Compile, check and time one variant; a failure is recorded, not raised, so the run goes on."""
+    result = VariantResult()
+    try:
+        _measure_into(result, variant, workload, timing, device)
+    except Exception as exc:  # any failure of a variant is a result of the benchmark
+        traceback.print_exc()
+        result.error = describe_error(exc)
+    return result
+
+
+def describe_error(exc: BaseException, limit: int = 2000) -> str:
+    """The exception and the ones it was raised from or during, innermost last.
+
+    A failed CUDA-graph capture raises again when the capture is closed; the first error is the cause.
+    """
+    parts = []
+    while exc is not None and len(parts) < 4:
+        parts.append(f"{type(exc).__name__}: {exc}")
+        exc = exc.__cause__ or exc.__context__
+    return " <- ".join(parts)[:limit]
+
+
+def _measure_into(
+    result: VariantResult, variant: str, workload: Workload, timing: TimingConfig, device: torch.device
+) -> None:
+    """Compile the variant afresh (the first call's time is its compile time), then check and time it."""
+    torch._dynamo.reset()
+    fns = [compile_variant(variant, module, device) for module in workload.modules]
+    if variant == HELION:
+        import_helion_backend().clear_reports()
+
+    def step(i: int) -> torch.Tensor:
+        return workload.call(fns, i)
+
+    start = time.perf_counter()
+    step(0)
+    synchronize(device)
+    result.compile_s = time.perf_counter() - start
+    if variant == HELION:
+        result.sites = helion_sites()
+    # All copies share the graph compiled for copy 0 (parameters are graph inputs): a recompile from
+    # here on would mean they do not, and cost one compile per copy, so make it an error.
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        _check_and_time(result, workload, step, timing, device)
+
+
+def _check_and_time(
+    result: VariantResult,
+    workload: Workload,
+    step: Callable[[int], torch.Tensor],
+    timing: TimingConfig,
+    device: torch.device,
+) -> None:
+    """Error against float64 on fresh inputs, then the time; on a GPU also the error of a timed replay."""
+    # Fresh inputs for every check: the variant must compute the function, not replay one answer.
+    workload.refresh_inputs(0)
+    result.rel_err = workload.error_of(step(0), 0)
+
+    # Every copy runs once before capture, so capture finds each call warm.
+    timing = dataclasses.replace(timing, warmup_calls=max(timing.warmup_calls, len(workload.modules)))
+    if device.type != "cuda":
+        result.time_us = time_wallclock_us(step, timing)
+        return
+    captured = capture_calls(step, timing)
+    result.time_us = median_replay_ms(captured.graph, timing) * 1e3 / timing.calls_per_graph
+    # Check the launches that were timed: new inputs for copy 0, one replay, compare the first call.
+    workload.refresh_inputs(0)
+    captured.graph.replay()
+    synchronize(device)
+    result.rel_err = worst_error(result.rel_err, workload.error_of(captured.outputs[0], 0))
+
+
+def run_case(
+    case: GemmCase,
+    variants: Sequence[str],
+    ceilings: Ceilings,
+    timing: TimingConfig,
+    device: torch.device,
+    copies: int,
+) -> dict[str, object]:
+    """One result row: every variant's time, error and compile time, and the case's floors."""
+    workload = Workload.build(case, copies, device)
+    results = {variant: measure_variant(variant, workload, timing, device) for variant in variants}
+    del workload
+    release_memory(device)
+
+    hbm_floor_us = ceilings.hbm_floor_us(case.min_bytes)
+    flop_floor_us = ceilings.flop_floor_us(case.flops)
+    return {
+        "suite": case.suite,
+        "name": case.name,
+        "m": case.m,
+        "k": case.k,
+        "n": case.n,
+        "dtype": DTYPE_TAGS[case.dtype],
+        "epilogue": case.epilogue,
+        "copies": copies,
+        "times_us": {v: r.time_us for v, r in results.items()},
+        "errors": {v: r.error for v, r in results.items() if r.error is not None},
+        "rel_err": {v: r.rel_err for v, r in results.items() if r.rel_err is not None},
+        "compile_s": {v: r.compile_s for v, r in results.items() if r.compile_s is not None},
+        "helion_sites": results[HELION].sites if HELION in results else None,
+        "floor_us": max(hbm_floor_us, flop_floor_us),
+        "hbm_floor_us": hbm_floor_us,
+        "flop_floor_us": flop_floor_us,
+        # Weight-bound: memory-bound and more than half of the bytes are weight (decode GEMMs).
+        "weight_bound": hbm_floor_us >= flop_floor_us and 2 * case.weight_bytes > case.min_bytes,
+    }
+
+
+def release_memory(device: torch.device) -> None:
+    """Return a finished case's memory (weights up to 262 MB a copy, graph pools) before the next one."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Report
+
+
+def row_is_correct(row: dict, variant: str) -> bool:
+    """True when the variant produced a time and its error is within the dtype's tolerance (NaN fails)."""
+    err = row["rel_err"].get(variant)
+    tolerance = TOLERANCES[TAG_DTYPES[row["dtype"]]]
+    return row["times_us"].get(variant) is not None and err is not None and err <= tolerance
+
+
+def geomean(values: Sequence[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def speedups(rows: Sequence[dict], baseline: str) -> list[float]:
+    """t_baseline / t_helion over rows where both variants ran and are correct (> 1: helion faster)."""
+    return [
+        row["times_us"][baseline] / row["times_us"][HELION]
+        for row in rows
+        if row_is_correct(row, baseline) and row_is_correct(row, HELION)
+    ]
+
+
+def floor_fractions(rows: Sequence[dict]) -> list[float]:
+    """hbm_floor / t_helion over weight-bound rows where helion_inductor ran and is correct."""
+    return [
+        row["hbm_floor_us"] / row["times_us"][HELION]
+        for row in rows
+        if row["weight_bound"] and row_is_correct(row, HELION)
+    ]
+
+
+def describe(values: Sequence[float], how: Callable[[Sequence[float]], float]) -> str:
+    return f"{how(values):.3f}x (n={len(values)})" if values else "n/a (no comparable rows)"
+
+
+def summary_lines(rows: Sequence[dict]) -> list[str]:
+    """Geomean speedups of helion_inductor per M range, its worst case above decode, its floor fraction."""
+    decode = [row for row in rows if row["m"] <= DECODE_MAX_M]
+    larger = [row for row in rows if row["m"] > DECODE_MAX_M]
+    small_m, large_m = f"M <= {DECODE_MAX_M}", f"M > {DECODE_MAX_M}"
+    return [
+        f"{HELION} vs compile, {small_m}: geomean {describe(speedups(decode, 'compile'), geomean)}",
+        f"{HELION} vs compile, {large_m}: geomean {describe(speedups(larger, 'compile'), geomean)}",
+        f"{HELION} vs max_autotune, {small_m}: geomean {describe(speedups(decode, 'max_autotune'), geomean)}",
+        f"{HELION} vs max_autotune, {large_m}: geomean {describe(speedups(larger, 'max_autotune'), geomean)}",
+        f"{HELION} vs compile, {large_m}: worst case {describe(speedups(larger, 'compile'), min)}",
+        f"{HELION} fraction of the HBM floor, {small_m}, weight-bound rows: "
+        f"geomean {describe(floor_fractions(decode), geomean)}",
+    ]
+
+
+def format_time(row: dict, variant: str) -> str:
+    """A table cell: the time, ``err`` when the variant failed, a warning mark when its error is too large."""
+    time_us = row["times_us"].get(variant)
+    if time_us is None:
+        return "err" if variant in row["errors"] else "-"
+    if row_is_correct(row, variant):
+        return f"{time_us:.1f}"
+    err = row["rel_err"].get(variant)
+    return f"{time_us:.1f} ⚠ {err:.1e}" if err is not None else f"{time_us:.1f} ⚠"
+
+
+def format_ratio(row: dict, baseline: str) -> str:
+    times = row["times_us"]
+    if times.get(baseline) is None or times.get(HELION) is None:
+        return "-"
+    return f"{times[baseline] / times[HELION]:.2f}x"
+
+
+def table_lines(rows: Sequence[dict], variants: Sequence[str]) -> list[str]:
+    header = ["suite", "name", "M", "K", "N", "epilogue", "floor µs", *variants]
+    header += ["vs compile", "vs max_autotune", "% of floor", "helion sites"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        bound = "hbm" if row["hbm_floor_us"] >= row["flop_floor_us"] else "flop"
+        helion_us = row["times_us"].get(HELION)
+        percent = f"{100 * row['floor_us'] / helion_us:.0f}%" if helion_us else "-"
+        cells = [
+            row["suite"], row["name"], str(row["m"]), str(row["k"]), str(row["n"]), row["epilogue"],
+            f"{row['floor_us']:.1f} {bound}",
+            *(format_time(row, v) for v in variants),
+            format_ratio(row, "compile"), format_ratio(row, "max_autotune"), percent,
+            row.get("helion_sites") or "-",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def error_lines(rows: Sequence[dict]) -> list[str]:
+    """Each distinct (variant, first line of the error) once, with how many rows it hit."""
+    counts: dict[tuple[str, str], int] = {}
+    for row in rows:
+        for variant, error in row["errors"].items():
+            key = (variant, error.splitlines()[0][:200])
+            counts[key] = counts.get(key, 0) + 1
+    return [f"- {variant} ({count} rows): `{message}`" for (variant, message), count in counts.items()]
+
+
+MARKDOWN_METADATA = ("command", "device", "torch", "cuda", "triton", "helion", "python", "date", "timing")
+
+
+def markdown(metadata: dict, rows: Sequence[dict]) -> str:
+    variants = metadata["variants"]
+    lines = [f"# GEMM + epilogue benchmark: {metadata['device']}, {metadata['dtype']}", ""]
+    lines += [f"- {key}: `{metadata.get(key)}`" for key in MARKDOWN_METADATA]
+    lines += [
+        f"- copy bandwidth (read + write): {metadata['copy_bandwidth_gb_s']:.0f} GB/s; "
+        f"{metadata['dtype']} matmul: {metadata['matmul_tflop_s']:.3g} TFLOP/s",
+        f"- cases run: {len(rows)}; skipped by the time budget: {len(metadata['skipped'])}"
+        + ("" if metadata["complete"] else " (run incomplete)"),
+        "- times: µs per call, median; ⚠ marks a relative error over "
+        f"{metadata['tolerance']:.0e} against float64; `vs X` is t_X / t_{HELION} (> 1: {HELION} faster); "
+        f"% of floor is floor / t_{HELION}",
+        "",
+        "## Summary",
+        "",
+        *(f"- {line}" for line in summary_lines(rows)),
+        "",
+        "## Rows",
+        "",
+        *table_lines(rows, variants),
+    ]
+    errors = error_lines(rows)
+    if errors:
+        lines += ["", "## Errors (full text in the JSON file)", "", *errors]
+    return "\n".join(lines) + "\n"
+
+
+def write_results(out_dir: Path, metadata: dict, rows: Sequence[dict]) -> Path:
+    """Write ``<device>_<dtype>.json`` and ``.md`` into ``out_dir``; return the JSON path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"{metadata['device_tag']}_{metadata['dtype']}"
+    json_path = stem.with_suffix(".json")
+    json_path.write_text(json.dumps({"metadata": metadata, "rows": list(rows)}, indent=1) + "\n")
+    stem.with_suffix(".md").write_text(markdown(metadata, rows))
+    return json_path
+
+
+def merge_results(paths: Sequence[Path], out_dir: Path) -> Path:
+    """Merge shard files of one device and dtype; a later file's row replaces an earlier one's."""
+    rows: dict[tuple, dict] = {}
+    shards = [json.loads(path.read_text()) for path in paths]
+    for data in shards:
+        for row in data["rows"]:
+            rows[(row["suite"], row["name"], row["m"], row["epilogue"], row["dtype"])] = row
+    variants = [v for v in VARIANTS if any(v in row["times_us"] for row in rows.values())]
+    merged = {
+        **shards[-1]["metadata"],
+        "variants": variants,
+        "merged_from": [data["metadata"]["command"] for data in shards],
+        "skipped": [label for data in shards for label in data["metadata"]["skipped"]],
+        "complete": all(data["metadata"]["complete"] for data in shards),
+    }
+    return write_results(out_dir, merged, list(rows.values()))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Plans and command line
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a run measures; the presets below are overridden field by field by explicit flags."""
+
+    suites: tuple[str, ...]
+    shapes: tuple[str, ...] | None  # None: every shape of the chosen suites
+    epilogues: tuple[str, ...]
+    ms: tuple[int, ...]
+    variants: tuple[str, ...]
+    timing: TimingConfig
+    device: str
+    dtype: torch.dtype
+
+
+PRESETS = {
+    # 9 shapes x 2 epilogues x 3 M = 54 cases, sized for one ~8 minute GPU call on a cold compile cache
+    # (an unmeasured estimate of ~10 s a case, most of it max-autotune; compile_s in the rows tells).
+    # bias_gelu_tanh is an activation epilogue with a row operand, residual one with a full [M, N]
+    # operand; M=1 is batch-1 decode (Dynamo and max-autotune special-case it), M=16 batched decode,
+    # M=128 a larger batch where the backend must not lose.
+    "default": Plan(
+        suites=tuple(SUITES),
+        shapes=None,
+        epilogues=("bias_gelu_tanh", "residual"),
+        ms=(1, 16, 128),
+        variants=VARIANTS,
+        timing=TimingConfig(),
+        device="cuda",
+        dtype=torch.bfloat16,
+    ),
+    # 12 cases, fewer replays: a first look in about two minutes.
+    "quick": Plan(
+        suites=("qwen3_8b",),
+        shapes=None,
+        epilogues=("bias_gelu_tanh",),
+        ms=(1, 16, 128),
+        variants=VARIANTS,
+        timing=TimingConfig(warmup_calls=3, calls_per_graph=10, warmup_replays=3, replays=10),
+        device="cuda",
+        dtype=torch.bfloat16,
+    ),
+    # Everything (495 cases, over an hour of compiles): shard with --suite/--shapes/--m, then --merge.
+    "full": Plan(
+        suites=tuple(SUITES),
+        shapes=None,
+        epilogues=EPILOGUES,
+        ms=ALL_M,
+        variants=VARIANTS,
+        timing=TimingConfig(),
+        device="cuda",
+        dtype=torch.bfloat16,
+    ),
+    # CPU, float32, four cases, a few wall-clock samples: checks the script, measures nothing.
+    "smoke": Plan(
+        suites=("qwen3_8b",),
+        shapes=("kv",),
+        epilogues=("bias_gelu_tanh", "residual"),
+        ms=(1, 16),
+        variants=("eager", "compile", HELION),
+        timing=TimingConfig(warmup_calls=1, calls_per_graph=3, warmup_replays=0, replays=3),
+        device="cpu",
+        dtype=torch.float32,
+    ),
+}
+
+
+# Smoke results never land beside the GPU results that the lead commits.
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+SMOKE_DIR = Path(tempfile.gettempdir()) / "bench_smoke"
+
+
+def plan_cases(plan: Plan) -> list[GemmCase]:
+    shapes = [(suite, shape) for suite in plan.suites for shape in SUITES[suite]]
+    if plan.shapes is not None:
+        unknown = set(plan.shapes) - {shape.name for _, shape in shapes}
+        if unknown:
+            raise SystemExit(f"unknown shape names for suites {plan.suites}: {sorted(unknown)}")
+        shapes = [(suite, shape) for suite, shape in shapes if shape.name in plan.shapes]
+    return [
+        GemmCase(suite, shape.name, m, shape.k, shape.n, epilogue, plan.dtype)
+        for suite, shape in shapes
+        for epilogue in plan.epilogues
+        for m in plan.ms
+    ]
+
+
+def comma_list(choices: Sequence[str] | None = None) -> Callable[[str], tuple[str, ...]]:
+    """An argparse type for ``a,b,c``; with ``choices``, checked and put in their order."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        items = tuple(item.strip() for item in text.split(",") if item.strip())
+        if choices is None:
+            return items
+        bad = [item for item in items if item not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{bad} not in {list(choices)}")
+        return tuple(choice for choice in choices if choice in items)
+
+    return parse
+
+
+def m_list(text: str) -> tuple[int, ...]:
+    return ALL_M if text == "all" else tuple(int(item) for item in text.split(","))
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    default_cases = len(plan_cases(PRESETS["default"]))
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=f"Without a plan flag: the default plan ({default_cases} cases).",
+    )
+    preset = parser.add_mutually_exclusive_group()
+    for name in ("quick", "full", "smoke"):
+        cases = len(plan_cases(PRESETS[name]))
+        preset.add_argument(
+            f"--{name}", dest="preset", action="store_const", const=name, help=f"{name} plan ({cases} cases)"
+        )
+    preset.add_argument(
+        "--merge", nargs="+", type=Path, metavar="JSON", help="merge result files of shards; run nothing"
+    )
+    parser.set_defaults(preset="default")
+    parser.add_argument("--suite", type=comma_list(tuple(SUITES)), help="comma list of suites")
+    parser.add_argument("--shapes", type=comma_list(), help="comma list of shape names, e.g. kv,gate_up")
+    parser.add_argument("--epilogues", type=comma_list(EPILOGUES), help="comma list of epilogues")
+    parser.add_argument("--m", type=m_list, help=f"comma list of M values, or 'all' {ALL_M}")
+    parser.add_argument("--variants", type=comma_list(VARIANTS), help="comma list of variants")
+    parser.add_argument("--replays", type=int, help="timed graph replays per variant")
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        help=f"where results go ($OUT on the device; default {RESULTS_DIR}, {SMOKE_DIR} for --smoke)",
+    )
+    parser.add_argument(
+        "--max-copies", type=int, default=DEFAULT_MAX_COPIES, help="cap on rotated weight copies"
+    )
+    parser.add_argument(
+        "--budget-min",
+        type=float,
+        default=8.5,
+        help="start no new case after this many minutes (0: no limit)",
+    )
+    return parser.parse_args(argv)
+
+
+def resolve_plan(args: argparse.Namespace) -> Plan:
+    plan = PRESETS[args.preset]
+    timing = None if args.replays is None else dataclasses.replace(plan.timing, replays=args.replays)
+    overrides = {
+        "suites": args.suite,
+        "shapes": args.shapes,
+        "epilogues": args.epilogues,
+        "ms": args.m,
+        "variants": args.variants,
+        "timing": timing,
+    }
+    return dataclasses.replace(plan, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def configure_dynamo() -> None:
+    """Raise the recompile limit and make hitting it an error instead of a silent fall back to eager."""
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(config, name):
+            setattr(config, name, RECOMPILE_LIMIT)
+    if hasattr(config, "fail_on_recompile_limit_hit"):
+        config.fail_on_recompile_limit_hit = True
+
+
+def l2_cache_bytes(device: torch.device) -> int:
+    """The GPU's L2 size; 0 on a CPU, where the smoke run needs no rotation."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).L2_cache_size
+
+
+def run_metadata_for(plan: Plan, device: torch.device, ceilings: Ceilings) -> dict[str, object]:
+    return {
+        **run_metadata(device),
+        "device_tag": device_tag(device),
+        "dtype": DTYPE_TAGS[plan.dtype],
+        "tolerance": TOLERANCES[plan.dtype],
+        "variants": list(plan.variants),
+        "timing": dataclasses.asdict(plan.timing),
+        "copy_bandwidth_gb_s": ceilings.copy_bytes_per_s / 1e9,
+        "matmul_tflop_s": ceilings.matmul_flop_per_s / 1e12,
+        "l2_bytes": l2_cache_bytes(device),
+        "skipped": [],
+        "complete": False,
+    }
+
+
+def progress_line(row: dict, done: int, total: int, elapsed_s: float) -> str:
+    times = ", ".join(f"{v} {t:.1f}" if t is not None else f"{v} err" for v, t in row["times_us"].items())
+    return (
+        f"[{done}/{total} {elapsed_s:.0f}s] {row['suite']}/{row['name']} M={row['m']} {row['epilogue']}: "
+        f"{times} µs (floor {row['floor_us']:.1f})"
+    )
+
+
+def run(plan: Plan, out_dir: Path, max_copies: int, budget_s: float) -> Path:
+    """Measure every case of ``plan``, rewriting the result files after each; return the JSON path."""
+    started = time.monotonic()
+    device = torch.device(plan.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: use --smoke on a CPU machine")
+    torch.manual_seed(0)
+    configure_dynamo()
+    ceilings = measure_ceilings(device, plan.dtype)
+    metadata = run_metadata_for(plan, device, ceilings)
+    print(f"copy {metadata['copy_bandwidth_gb_s']:.0f} GB/s, matmul {metadata['matmul_tflop_s']:.3g} TFLOP/s")
+
+    cases = plan_cases(plan)
+    rows: list[dict] = []
+    json_path = write_results(out_dir, metadata, rows)
+    for index, case in enumerate(cases):
+        if budget_s and time.monotonic() - started > budget_s:
+            metadata["skipped"] = [c.label for c in cases[index:]]
+            print(f"time budget spent: skipping {len(cases) - index} cases")
+            break
+        copies = weight_copies(case, metadata["l2_bytes"], max_copies)
+        with torch.no_grad():
+            rows.append(run_case(case, plan.variants, ceilings, plan.timing, device, copies))
+        write_results(out_dir, metadata, rows)
+        print(progress_line(rows[-1], index + 1, len(cases), time.monotonic() - started), flush=True)
+    metadata["complete"] = not metadata["skipped"]
+    write_results(out_dir, metadata, rows)
+    return json_path
+
+
+def main(argv: Sequence[str]) -> None:
+    args = parse_args(argv)
+    out_dir = args.out_dir or (SMOKE_DIR if args.preset == "smoke" else RESULTS_DIR)
+    if args.merge:
+        json_path = merge_results(args.merge, out_dir)
+    else:
+        json_path = run(resolve_plan(args), out_dir, args.max_copies, args.budget_min * 60)
+    rows = json.loads(json_path.read_text())["rows"]
+    print("\n".join(summary_lines(rows)))
+    print(f"results: {json_path} and {json_path.with_suffix('.md')}")
+
+
+if __name__ == "__main__":  # Helion's autotuner re-imports __main__ in its worker processes
+    main(sys.argv[1:])

@@ -1,0 +1,109 @@
+"""Time a few candidate Helion configs per decode GEMM shape and write the GPU's config table.
+
+    python benchmarks/sweep_gemm_configs.py [--m 1,16,32] [--suite qwen3_8b] [--budget-min 4]
+
+Each candidate runs the fused kernel (bias + GELU-tanh epilogue) under CUDA-graph replay, cycling
+through enough weight copies to defeat the L2, exactly as the benchmark times it; the fastest
+correct config per (K, N, M) goes to ``helion_backend/kernels/tuned/<gpu>.json`` (and --out-dir).
+A small fixed candidate list, not Helion's autotuner: a stopgap until the tuning command exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import helion
+import torch
+
+from benchmarks.bench_gemm import SUITES
+from benchmarks.common import TimingConfig, relative_error, run_metadata, time_callable_us
+from helion_backend.kernels import configs
+from helion_backend.kernels.gemm import gemm_epilogue_helion
+
+STEPS = ("bias", "gelu_tanh")
+TIMING = TimingConfig(warmup_calls=2, calls_per_graph=20, warmup_replays=3, replays=15)
+# (block_n, block_k, num_warps, num_stages, split_k); block_m is 16 (Helion shrinks it for M < 16).
+CANDIDATES = (
+    (64, 128, 4, 4, 1),
+    (32, 128, 4, 4, 1),
+    (32, 256, 4, 3, 1),
+    (128, 128, 4, 4, 1),
+    (64, 128, 4, 4, 2),
+    (32, 128, 4, 4, 4),
+)
+
+
+def candidate_configs() -> list[helion.Config]:
+    return [
+        helion.Config(block_sizes=[16, bn, bk], num_warps=w, num_stages=s, split_k=sk)
+        for bn, bk, w, s, sk in CANDIDATES
+    ]
+
+
+def sweep_key(k: int, n: int, m: int, device: torch.device) -> dict | None:
+    weight_bytes = k * n * 2
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    copies = max(1, math.ceil(2 * l2 / weight_bytes))
+    ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
+    bs = [torch.randn(n, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+    xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+    ref = torch.nn.functional.gelu(xs[0].double() @ ws[0].double().t() + bs[0].double(), approximate="tanh")
+    results = []
+    for config in candidate_configs():
+        def step(i: int, config=config):
+            j = i % copies
+            return gemm_epilogue_helion(xs[j], ws[j].t(), STEPS, [bs[j]], [], torch.bfloat16, config)
+        try:
+            err = relative_error(step(0), ref)
+            us = time_callable_us(step, TIMING, device) if err <= 1e-2 else math.inf
+        except Exception as e:  # a config that does not compile for this shape: skip it
+            print(f"  K={k} N={n} M={m} {dict(config)}: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        results.append((us, err, config))
+        print(f"  K={k} N={n} M={m} {dict(config)}: {us:.2f} us (err {err:.1e})")
+    if not results:
+        return None
+    us, err, best = min(results, key=lambda r: r[0])
+    return {"dtype": "bfloat16", "k": k, "n": n, "m": m, "config": dict(best), "us": round(us, 2),
+            "candidates": len(results)}
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--m", default="1,16,32", help="comma list of M values")
+    parser.add_argument("--suite", default=",".join(SUITES), help="comma list of suites")
+    parser.add_argument("--budget-min", type=float, default=0, help="start no new key after this long")
+    parser.add_argument("--out-dir", type=Path, help="also write the table here")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    shapes = sorted({(s.k, s.n) for suite in args.suite.split(",") for s in SUITES[suite]})
+    ms = [int(m) for m in args.m.split(",")]
+    start, entries = time.monotonic(), []
+    path = configs.TUNED_DIR / f"{configs.gpu_key(device)}.json"
+    for k, n in shapes:
+        for m in ms:
+            if args.budget_min and time.monotonic() - start > 60 * args.budget_min:
+                print(f"budget spent: K={k} N={n} M={m} not swept")
+                continue
+            entry = sweep_key(k, n, m, device)
+            if entry:
+                entries.append(entry)
+                print(f"best K={k} N={n} M={m}: {entry['config']} {entry['us']} us")
+            table = {"metadata": {**run_metadata(device), "epilogue": list(STEPS)}, "entries": entries}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(table, indent=1) + "\n")
+            if args.out_dir:
+                (args.out_dir / path.name).write_text(path.read_text())
+    print(f"{len(entries)} keys in {time.monotonic() - start:.0f} s -> {path}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

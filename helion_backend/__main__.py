@@ -1,0 +1,39 @@
+"""Command line: ``python -m helion_backend check-rules PATH...``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from .rules import RuleError, builtin_rule_files, load_rules
+
+
+def _check_rules(args: argparse.Namespace) -> int:
+    paths = list(args.paths) or builtin_rule_files()
+    try:
+        rules = load_rules([*(builtin_rule_files() if args.with_builtin else []), *paths])
+    except RuleError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for rule in rules:
+        steps = ", ".join(map(str, rule.epilogue)) or "-"
+        print(f"ok  {rule.source}  {rule.name}  priority={rule.priority}  anchor={sorted(rule.anchors)}  epilogue=[{steps}]")
+    print(f"{len(rules)} rule(s) valid")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m helion_backend", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser("check-rules", help="validate rule files without compiling anything")
+    check.add_argument("paths", nargs="*", help="rule files (default: the shipped ones)")
+    check.add_argument("--with-builtin", action="store_true",
+                       help="load the shipped rules too, to catch name clashes with them")
+    check.set_defaults(func=_check_rules)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""The ``helion_inductor`` backend: Inductor's ``compile_fx`` with the pass manager installed.
+
+Everything not fused is compiled by Inductor exactly as ``torch.compile`` would; the backend only adds
+its post-grad pass, CUDA graphs on by default for CUDA graphs, and the report.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+from . import BACKEND_NAME, report as reports
+from .options import BackendOptions
+from .passes.manager import HelionPassManager
+from .token_routing import TokenRouter, make_token_counter
+
+log = logging.getLogger(__name__)
+
+_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def helion_inductor(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    mode: str | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> Callable[..., Any]:
+    """Compile a Dynamo graph: Inductor plus the GEMM-epilogue fusion pipeline."""
+    opts = BackendOptions.from_user(options)
+    manager = HelionPassManager(opts)
+    patches = _inductor_config(mode, opts, example_inputs)
+    pristine = copy.deepcopy(gm) if _has_symbolic_inputs(example_inputs) else None
+
+    compiled = _compile(gm, example_inputs, manager, patches)
+    state = _saved_state(manager, gm, example_inputs, opts)
+    if state is None:
+        # Inductor's cache knew this graph but the backend's did not (deleted, say): compile it once
+        # more with the caches off, so the pipeline runs and its report and routing are not lost.
+        log.info("helion_inductor: recompiling a graph served from Inductor's cache without its report")
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            compiled = _compile(gm, example_inputs, manager, {**patches, "fx_graph_cache": False})
+        state = _saved_state(manager, gm, example_inputs, opts)
+    token_exprs = state["dynamic_token_exprs"] if state else []
+    if pristine is None or not token_exprs:
+        return compiled
+    largest_m = make_token_counter(pristine, token_exprs)
+    if largest_m is None:
+        log.warning("helion_inductor: cannot locate the token dimension in the inputs; every M runs "
+                    "the rewritten graph")
+        return compiled
+    # Compiled now, inside Dynamo's tracing context, so the variant keeps the symbolic shapes.
+    plain_patches = {k: v for k, v in patches.items() if k != "post_grad_custom_pre_pass"}
+    plain = compile_fx(pristine, example_inputs, config_patches=plain_patches)
+    return TokenRouter(small=compiled, large=plain, largest_m=largest_m, limit=opts.max_helion_size)
+
+
+def _compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], manager: HelionPassManager,
+             patches: dict[str, Any]) -> Callable[..., Any]:
+    def inner_compile(gm: torch.fx.GraphModule, inputs: Sequence[Any], **kwargs: Any):
+        manager.graph_kind = (
+            "backward" if kwargs.get("is_backward") else
+            "inference" if kwargs.get("is_inference") else "forward"
+        )
+        return compile_fx_inner(gm, inputs, **kwargs)
+
+    return compile_fx(gm, example_inputs, inner_compile=inner_compile,
+                      config_patches={**patches, "post_grad_custom_pre_pass": manager})
+
+
+def _inductor_config(mode: str | None, opts: BackendOptions, example_inputs: Sequence[Any]) -> dict[str, Any]:
+    mode = mode or "default"
+    if mode not in _MODES:
+        raise ValueError(f"helion_inductor: unknown mode {mode!r}; valid modes are {list(_MODES)}")
+    patches: dict[str, Any] = dict(torch._inductor.list_mode_options(mode) or {})
+    on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+    cudagraphs = opts.cudagraphs
+    if cudagraphs is None:
+        cudagraphs = on_cuda and mode != "max-autotune-no-cudagraphs"
+    patches["triton.cudagraphs"] = bool(cudagraphs)
+    patches.update(opts.inductor_config)
+    return patches
+
+
+def _saved_state(manager: HelionPassManager, gm: torch.fx.GraphModule,
+                 example_inputs: Sequence[Any], opts: BackendOptions) -> dict[str, Any] | None:
+    """Keep what the pipeline learned beside Inductor's caches, and replay it on a cache hit.
+
+    A hit in Inductor's FX graph cache or AOTAutograd's cache skips the post-grad passes, so the
+    pipeline never sees the graph; what it saved when it did (the reports, and the symbolic M of the
+    rewritten sites, as strings) is served instead. None when there is nothing to serve.
+    """
+    path = Path(opts.cache_dir) / "reports" / f"{_graph_key(manager, gm, example_inputs)}.json"
+    if manager.reports:
+        state = {"reports": [r.to_json() for r in manager.reports],
+                 "dynamic_token_exprs": [str(e) for e in manager.dynamic_token_exprs]}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(state))
+        except OSError as e:
+            log.warning("helion_inductor: cannot save the report to %s: %s", path, e)
+        return state
+    try:
+        state = json.loads(path.read_text())
+        served = [reports.GraphReport.from_json(entry) for entry in state["reports"]]
+        state["dynamic_token_exprs"] = [str(e) for e in state["dynamic_token_exprs"]]
+    except OSError:
+        return None
+    except (ValueError, KeyError, TypeError) as e:
+        log.warning("helion_inductor: ignoring the corrupt saved report %s (%s)", path, e)
+        return None
+    for report in served:
+        report.from_cache = True
+        reports.record(report)
+    return state
+
+
+def _graph_key(manager: HelionPassManager, gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> str:
+    def describe(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return [str(x.dtype), str(x.device), [str(s) for s in x.shape], [str(s) for s in x.stride()],
+                    x.requires_grad]
+        return type(x).__name__
+    payload = json.dumps([manager.uuid(), torch.__version__, gm.code, [describe(x) for x in inputs]])
+    return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+
+def register_backend() -> None:
+    """Register the backend name unless the installed entry point already provides it."""
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend as register
+
+    if BACKEND_NAME not in _BACKENDS:
+        register(name=BACKEND_NAME)(helion_inductor)
+
+
+def _has_symbolic_inputs(example_inputs: Sequence[Any]) -> bool:
+    return any(
+        isinstance(x, torch.SymInt)
+        or (isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape))
+        for x in example_inputs
+    )

@@ -1,0 +1,73 @@
+"""Run-time choice of the implementation behind the fused op, by device and num_tokens (M)."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Sequence
+
+import torch
+
+from .epilogue import apply_epilogue, operand_kinds, parse_epilogue
+from .vocabulary import Operand
+
+
+@functools.cache
+def helion_unavailable_reason() -> str | None:
+    """None when Helion kernels can run here, else why not (shown in the report)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if importlib.util.find_spec("helion") is None:
+        return "helion is not installed"
+    return None
+
+
+def run_gemm_epilogue(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_layout: str,
+    operands: Sequence[torch.Tensor],
+    scalars: Sequence[float],
+    epilogue: str,
+    out_dtype: torch.dtype,
+    kernel: str,
+    max_helion_m: int,
+) -> torch.Tensor:
+    steps = parse_epilogue(epilogue)
+    w_kn = weight_kn(weight, weight_layout)
+    flat = flatten_operands(operands, steps, w_kn.shape[1])
+    if x.is_cuda and x.shape[0] <= max_helion_m and helion_unavailable_reason() is None:
+        from .kernels import run_kernel
+
+        return run_kernel(kernel, x, w_kn, steps, flat, scalars, out_dtype)
+    return reference(x, w_kn, steps, flat, scalars, out_dtype)
+
+
+def reference(
+    x: torch.Tensor,
+    w_kn: torch.Tensor,
+    steps: Sequence[str],
+    operands: Sequence[torch.Tensor],
+    scalars: Sequence[float],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The unfused computation: GEMM in the input dtype (as eager runs it), epilogue in fp32."""
+    acc = torch.mm(x, w_kn).to(torch.float32)
+    return apply_epilogue(acc, steps, operands.__getitem__, scalars).to(out_dtype)
+
+
+def weight_kn(weight: torch.Tensor, weight_layout: str) -> torch.Tensor:
+    """The weight as a logical [K, N] view; an [N, K] (nn.Linear) weight is transposed without a copy."""
+    if weight_layout == "nk":
+        return weight.t()
+    if weight_layout == "kn":
+        return weight
+    raise ValueError(f"weight_layout must be 'kn' or 'nk', got {weight_layout!r}")
+
+
+def flatten_operands(operands: Sequence[torch.Tensor], steps: Sequence[str], n: int) -> list[torch.Tensor]:
+    """Row operands as [N] vectors and full ones as [M, N] views (3-D linears arrive as [B, S, N])."""
+    kinds = operand_kinds(steps)
+    if len(kinds) != len(operands):
+        raise ValueError(f"epilogue {list(steps)} reads {len(kinds)} tensor operands, got {len(operands)}")
+    return [op.reshape(n) if kind is Operand.ROW else op.reshape(-1, n) for op, kind in zip(operands, kinds)]

@@ -1,0 +1,98 @@
+"""Helion configs: measured ones where a table has the shape, hand-picked ones otherwise.
+
+Hand-picked Helion configs for the GEMM + epilogue kernels on an H200, used when no tuned config is given.
+
+Decode shapes (small M) are bound by reading the weight once, so the aim there is enough tiles in flight
+to cover every SM; split-K supplies them when N alone does not.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import helion
+import torch
+
+_NUM_SMS = 132  # H200
+_DECODE_MAX_M = 32
+# Each split must still run a few K blocks, or its atomic adds and the extra epilogue pass cost more
+# than the parallelism gains.
+_MIN_K_PER_SPLIT = 1024
+_MAX_SPLIT_K = 16
+
+# The split-K finishing pass only reads the fp32 partial sums once; any coalesced tile will do.
+EPILOGUE_CONFIG = helion.Config(block_sizes=[16, 128], num_warps=4, num_stages=1)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _split_k(m_tiles: int, n_tiles: int, k: int) -> int:
+    """Largest power of two that keeps the grid within one wave of SMs and each split deep enough."""
+    split_k = 1
+    while (
+        split_k < _MAX_SPLIT_K
+        and m_tiles * n_tiles * split_k * 2 <= _NUM_SMS
+        and k // (split_k * 2) >= _MIN_K_PER_SPLIT
+    ):
+        split_k *= 2
+    return split_k
+
+
+@functools.cache  # called on every kernel launch without an explicit config
+def default_config(m: int, k: int, n: int, dtype: torch.dtype) -> helion.Config:
+    """A config for :func:`helion_backend.kernels.gemm.gemm_kernel` at this shape; never autotuned."""
+    # fp32 tiles take twice the shared memory of 16-bit ones: halve the K block to keep the stages.
+    k_scale = 2 if dtype == torch.float32 else 1
+    if m <= _DECODE_MAX_M:
+        block_m, block_n, block_k, num_warps, num_stages = 16, 64, 128 // k_scale, 4, 4
+    elif m <= 128:
+        block_m, block_n, block_k, num_warps, num_stages = 64, 128, 64 // k_scale, 4, 4
+    else:
+        block_m, block_n, block_k, num_warps, num_stages = 128, 128, 64 // k_scale, 8, 3
+    return helion.Config(
+        block_sizes=[block_m, block_n, block_k],
+        num_warps=num_warps,
+        num_stages=num_stages,
+        split_k=_split_k(_cdiv(m, block_m), _cdiv(n, block_n), k),
+    )
+
+
+def gpu_key(device: torch.device) -> str:
+    """``NVIDIA H200`` -> ``nvidia_h200``: the name of the GPU's table file."""
+    return re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower()).strip("_")
+
+
+@functools.cache
+def _table(gpu: str) -> dict[tuple[str, int, int], list[tuple[int, helion.Config]]]:
+    """(dtype, K, N) -> [(tuned M, config)] sorted by M; empty if the GPU has no valid table."""
+    path = TUNED_DIR / f"{gpu}.json"
+    if not path.exists():
+        return {}
+    table: dict[tuple[str, int, int], list[tuple[int, helion.Config]]] = {}
+    try:
+        for entry in json.loads(path.read_text())["entries"]:
+            key = (entry["dtype"], int(entry["k"]), int(entry["n"]))
+            table.setdefault(key, []).append((int(entry["m"]), helion.Config(**entry["config"])))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("helion_inductor: ignoring the config table %s (%s); using hand-picked configs", path, e)
+        return {}
+    for entries in table.values():
+        entries.sort(key=lambda e: e[0])
+    return table
+
+
+@functools.cache
+def config_for(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device) -> helion.Config:
+    """The tuned config for the smallest tuned M >= m at this (K, N), else the largest tuned M, else
+    :func:`default_config`. Memoized: the hot path pays one dict lookup."""
+    if device.type != "cuda":
+        return default_config(m, k, n, dtype)
+    entries = _table(gpu_key(device)).get((str(dtype).removeprefix("torch."), k, n))
+    if not entries:
+        return default_config(m, k, n, dtype)
+    for tuned_m, config in entries:
+        if tuned_m >= m:
+            return config
+    return entries[-1][1]

@@ -1,0 +1,205 @@
+"""``epilogue(x @ w)`` as one Helion GEMM whose fp32 accumulator goes through the shared epilogue in registers.
+
+One kernel source serves every epilogue: the steps reach device code inside a callable argument, which
+Helion keys by its code object plus its closure (a tuple of step names, keyed by value). Tensor operands
+and scalars are list arguments: Helion passes each element as its own kernel argument, so scalars are
+runtime values (no recompilation per value) and the number of operands is not capped.
+
+Split-K is the ``split_k`` tunable. With ``split_k == 1`` the GEMM kernel applies the epilogue and stores
+the output once. With ``split_k > 1`` it atomically adds fp32 partial sums into a workspace, and
+:func:`epilogue_kernel` applies the epilogue (not linear, so never to partial sums) in a second pass.
+
+Nothing here autotunes: every call runs an explicit config (given, or from :mod:`.configs`), compiled once
+per argument layout, epilogue and config.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Hashable, Sequence
+from typing import NamedTuple
+
+import helion
+import helion.language as hl
+import torch
+from helion.autotuner import PowerOfTwoFragment
+
+# Device code reaches ``apply_epilogue`` as an attribute of this module object, never as a bare name:
+# Helion replaces the globals of any function it traces by name with fakes, and the step table that
+# ``apply_epilogue`` reads holds Enum members it cannot fake. A module attribute is taken as is, so the
+# epilogue runs with its real globals (and its float constants become literals in the kernel).
+from .. import epilogue as epilogue_module
+from ..epilogue import num_scalars, operand_kinds
+from ..vocabulary import EPILOGUE_STEPS, Operand
+from .configs import EPILOGUE_CONFIG, config_for
+
+SUPPORTED_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# (acc, operands, scalars, tile_m, tile_n) -> the epilogue applied to the fp32 accumulator tile.
+TileEpilogue = Callable[..., torch.Tensor]
+
+
+# autotune_effort="none": even a bare call (no config bound) runs a default config instead of tuning.
+# dot_precision="ieee": fp32 inputs get exact fp32 dots, as eager torch.mm does by default (no TF32).
+@helion.kernel(static_shapes=True, autotune_effort="none", dot_precision="ieee")
+def gemm_kernel(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    operands: list[torch.Tensor],
+    scalars: list[float],
+    epilogue: TileEpilogue,
+) -> None:
+    """``out = epilogue(x @ w)`` when ``split_k == 1``; else ``out += x @ w`` by K split (fp32 ``out``)."""
+    m, k = x.size()
+    n = w.size(1)
+    split_k = hl.register_tunable("split_k", PowerOfTwoFragment(1, 64, 1))
+    k_per_split = helion.next_power_of_2(helion.cdiv(k, split_k))
+    for tile_m, tile_n, tile_split in hl.tile([m, n, k], block_size=[None, None, k_per_split]):
+        acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
+        for tile_k in hl.tile(tile_split.begin, tile_split.end):
+            acc = torch.addmm(acc, x[tile_m, tile_k], w[tile_k, tile_n])
+        # Triton specializes an int argument equal to 1 as a constant, so with split_k == 1 the
+        # atomic branch is not even compiled.
+        if split_k == 1:
+            out[tile_m, tile_n] = epilogue(acc, operands, scalars, tile_m, tile_n).to(out.dtype)
+        else:
+            hl.atomic_add(out, [tile_m, tile_n], acc)
+
+
+@helion.kernel(static_shapes=True, autotune_effort="none")
+def epilogue_kernel(
+    acc: torch.Tensor,
+    out: torch.Tensor,
+    operands: list[torch.Tensor],
+    scalars: list[float],
+    epilogue: TileEpilogue,
+) -> None:
+    """``out = epilogue(acc)`` for the fp32 sums that split-K left in ``acc``."""
+    m, n = acc.size()
+    for tile_m, tile_n in hl.tile([m, n]):
+        out[tile_m, tile_n] = epilogue(acc[tile_m, tile_n], operands, scalars, tile_m, tile_n).to(out.dtype)
+
+
+def tile_epilogue(steps: tuple[str, ...]) -> TileEpilogue:
+    """The device-side epilogue for ``steps``; only ``steps`` is in its closure, so Helion keys it by value."""
+
+    def epilogue(
+        acc: torch.Tensor,
+        operands: list[torch.Tensor],
+        scalars: list[float],
+        tile_m: hl.Tile,
+        tile_n: hl.Tile,
+    ) -> torch.Tensor:
+        def load_operand(i: int) -> torch.Tensor:
+            operand = operands[i]
+            return operand[tile_n] if operand.ndim == 1 else operand[tile_m, tile_n]
+
+        return epilogue_module.apply_epilogue(acc, steps, load_operand, scalars)
+
+    return epilogue
+
+
+class _Layout(NamedTuple):
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    device: torch.device
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> _Layout:
+        return cls(t.dtype, tuple(t.shape), t.stride(), t.device)
+
+
+class _Signature(NamedTuple):
+    """What a call's compiled kernels depend on besides the config (Helion specializes on static shapes)."""
+
+    x: _Layout
+    w: _Layout
+    operands: tuple[_Layout, ...]
+    num_scalars: int
+    steps: tuple[str, ...]
+    out_dtype: torch.dtype
+
+
+@functools.cache
+def _check_signature(sig: _Signature) -> None:
+    """Reject, once per signature, what the kernel would compute wrongly or fail on deep inside Helion."""
+    if len(sig.x.shape) != 2 or len(sig.w.shape) != 2 or sig.x.shape[1] != sig.w.shape[0]:
+        raise ValueError(f"expected x [M, K] and w_kn [K, N], got {sig.x.shape} and {sig.w.shape}")
+    if sig.x.dtype != sig.w.dtype or sig.x.dtype not in SUPPORTED_INPUT_DTYPES:
+        raise ValueError(
+            f"x and w_kn must share one of {SUPPORTED_INPUT_DTYPES}, got {sig.x.dtype}, {sig.w.dtype}"
+        )
+    unknown = [s for s in sig.steps if s not in EPILOGUE_STEPS]
+    if unknown:
+        raise ValueError(f"unknown epilogue step(s) {unknown}")
+    kinds = operand_kinds(sig.steps)
+    if len(sig.operands) != len(kinds) or sig.num_scalars != num_scalars(sig.steps):
+        raise ValueError(
+            f"epilogue {sig.steps} takes {len(kinds)} tensor operand(s) and {num_scalars(sig.steps)} "
+            f"scalar(s), got {len(sig.operands)} and {sig.num_scalars}"
+        )
+    m, n = sig.x.shape[0], sig.w.shape[1]
+    expected = {Operand.ROW: (n,), Operand.FULL: (m, n)}
+    for i, (kind, operand) in enumerate(zip(kinds, sig.operands)):
+        if operand.shape != expected[kind]:
+            raise ValueError(
+                f"operand {i} ({kind.value}) must have shape {expected[kind]}, got {operand.shape}"
+            )
+
+
+# (kernel name, signature, config) -> compiled host function of the kernel.
+_COMPILED: dict[Hashable, Callable[..., None]] = {}
+
+
+def _compiled(
+    kernel: helion.Kernel, args: tuple[object, ...], sig: _Signature, config: helion.Config
+) -> Callable[..., None]:
+    """Compile ``kernel`` for ``args`` under ``config`` once; later calls skip Helion's binding.
+
+    ``compile_config`` compiles exactly the given config and never autotunes.
+    """
+    key = (kernel.name, sig, config)
+    run = _COMPILED.get(key)
+    if run is None:
+        run = _COMPILED[key] = kernel.bind(args).compile_config(config)
+    return run
+
+
+def gemm_epilogue_helion(
+    x: torch.Tensor,
+    w_kn: torch.Tensor,
+    steps: tuple[str, ...],
+    operands: Sequence[torch.Tensor],
+    scalars: Sequence[float],
+    out_dtype: torch.dtype,
+    config: helion.Config | None = None,
+) -> torch.Tensor:
+    """``epilogue(x @ w_kn)`` as a contiguous [M, N] ``out_dtype`` tensor, accumulated and finished in fp32.
+
+    ``w_kn`` may be any strided [K, N] view (e.g. ``weight.t()`` of an nn.Linear weight); it is read in
+    place. ``config`` defaults to :func:`.configs.config_for`; its ``split_k`` picks one or two passes.
+    """
+    steps = tuple(steps)
+    operands = list(operands)
+    scalars = [float(s) for s in scalars]
+    sig = _Signature(
+        _Layout.of(x), _Layout.of(w_kn), tuple(map(_Layout.of, operands)), len(scalars), steps, out_dtype
+    )
+    _check_signature(sig)
+    (m, k), n = x.shape, w_kn.shape[1]
+    if config is None:
+        config = config_for(m, k, n, x.dtype, x.device)
+    epilogue = tile_epilogue(steps)
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if config.get("split_k", 1) == 1:
+        args = (x, w_kn, out, operands, scalars, epilogue)
+        _compiled(gemm_kernel, args, sig, config)(*args)
+        return out
+    partial_sums = torch.zeros((m, n), dtype=torch.float32, device=x.device)
+    gemm_args = (x, w_kn, partial_sums, operands, scalars, epilogue)
+    _compiled(gemm_kernel, gemm_args, sig, config)(*gemm_args)
+    finish_args = (partial_sums, out, operands, scalars, epilogue)
+    _compiled(epilogue_kernel, finish_args, sig, EPILOGUE_CONFIG)(*finish_args)
+    return out

@@ -1,0 +1,45 @@
+"""The fused GEMM + epilogue custom op that the rewrite inserts.
+
+One functional op for every site: Inductor treats it as an extern call, so whatever runs inside it
+(a Helion kernel on CUDA, the reference composite elsewhere) is chosen by :mod:`.dispatch`. The
+rewrite runs on the post-grad graph, after AOTAutograd has split forward and backward, so the op
+never needs a derivative formula (an eager call under autograd is refused by PyTorch, as for any
+custom op without one).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import dispatch
+
+OP_NAMESPACE = "helion_inductor"
+
+
+@torch.library.custom_op(f"{OP_NAMESPACE}::gemm_epilogue", mutates_args=())
+def gemm_epilogue(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_layout: str,
+    operands: list[torch.Tensor],
+    scalars: list[float],
+    epilogue: str,
+    out_dtype: torch.dtype,
+    kernel: str,
+    max_helion_m: int,
+) -> torch.Tensor:
+    """``epilogue(x @ weight)`` stored once in ``out_dtype``; x is [M, K], the result [M, N].
+
+    ``weight_layout`` is "kn" for a [K, N] weight and "nk" for an nn.Linear [N, K] weight.
+    ``epilogue`` is a comma-joined step list (see :mod:`.epilogue`) reading ``operands`` and
+    ``scalars`` in order. ``kernel`` names the kernel family; rows up to ``max_helion_m`` run it.
+    """
+    return dispatch.run_gemm_epilogue(
+        x, weight, weight_layout, operands, scalars, epilogue, out_dtype, kernel, max_helion_m
+    )
+
+
+@gemm_epilogue.register_fake
+def _(x, weight, weight_layout, operands, scalars, epilogue, out_dtype, kernel, max_helion_m):
+    n = weight.shape[0] if weight_layout == "nk" else weight.shape[1]
+    return x.new_empty((x.shape[0], n), dtype=out_dtype)

@@ -1,0 +1,80 @@
+"""Backend options: the one place their names, types and defaults live."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+DEBUG_DIR_ENV = "HELION_INDUCTOR_DEBUG_DIR"
+CACHE_DIR_ENV = "HELION_INDUCTOR_CACHE_DIR"
+
+
+def _default_cache_dir() -> str:
+    return os.environ.get(CACHE_DIR_ENV) or str(Path.home() / ".cache" / "helion_inductor")
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """Options given as ``torch.compile(..., backend="helion_inductor", options={...})``."""
+
+    rules: tuple[str, ...] = ()
+    """Extra rule files (TOML), loaded after the shipped ones."""
+    builtin_rules: bool = True
+    """Load the rule files shipped in ``rules/``."""
+    max_helion_size: int = 32
+    """Largest M (num_tokens) a site runs through Helion; larger M keeps cuBLAS and Inductor."""
+    rewrite_on_cpu: bool = False
+    """Rewrite CPU graphs too (they then run the reference implementation); for tests and inspection."""
+    cudagraphs: bool | None = None
+    """CUDA graphs through Inductor's cudagraph trees; None means on for CUDA graphs, off elsewhere."""
+    debug_dir: str | None = field(default_factory=lambda: os.environ.get(DEBUG_DIR_ENV) or None)
+    """Write per-graph dumps and ``report.json`` here (also set by $HELION_INDUCTOR_DEBUG_DIR)."""
+    cache_dir: str = field(default_factory=_default_cache_dir)
+    """Where the backend keeps what outlives a process (reports of cached graphs; later, tuned configs)."""
+    inductor_config: Mapping[str, Any] = field(default_factory=dict)
+    """Extra ``torch._inductor.config`` patches, applied after the ``mode``'s."""
+
+    @classmethod
+    def from_user(cls, options: Mapping[str, Any] | None) -> BackendOptions:
+        options = dict(options or {})
+        valid = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            raise ValueError(
+                f"helion_inductor: unknown option(s) {unknown}; valid options are {sorted(valid)}"
+            )
+        if "rules" in options:
+            rules = options["rules"]
+            rules = [rules] if isinstance(rules, (str, os.PathLike)) else rules
+            options["rules"] = tuple(str(Path(r)) for r in rules)
+        if "inductor_config" in options:
+            options["inductor_config"] = dict(options["inductor_config"])
+        made = cls(**options)
+        made._check_types()
+        return made
+
+    def _check_types(self) -> None:
+        expected = {
+            "builtin_rules": bool,
+            "rewrite_on_cpu": bool,
+            "max_helion_size": int,
+        }
+        for name, typ in expected.items():
+            value = getattr(self, name)
+            if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+                raise TypeError(f"helion_inductor: option {name!r} must be {typ.__name__}, got {value!r}")
+        if self.max_helion_size < 0:
+            raise ValueError("helion_inductor: option 'max_helion_size' must be >= 0")
+        if self.cudagraphs not in (None, True, False):
+            raise TypeError(f"helion_inductor: option 'cudagraphs' must be a bool, got {self.cudagraphs!r}")
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What of the options changes the rewrite (the debug folder does not)."""
+        values = dataclasses.asdict(self)
+        values.pop("debug_dir")
+        values.pop("cache_dir")
+        values["inductor_config"] = sorted((k, repr(v)) for k, v in self.inductor_config.items())
+        return values

@@ -1,0 +1,85 @@
+"""State the passes hand to each other: one :class:`GemmSite` per GEMM in the graph.
+
+Passes communicate only through a :class:`PassContext`; each pass reads what earlier passes wrote and
+adds its own part (normalize: the anchor; match: the chain and the rule; legality: the final chain or
+the reason not to fuse; rewrite: the fused node).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Union
+
+import torch
+import torch.fx as fx
+
+if TYPE_CHECKING:
+    from ..options import BackendOptions
+    from ..report import GraphReport
+    from ..rules import Rule
+
+Dim = Union[int, torch.SymInt]
+
+
+@dataclass
+class Step:
+    """One recognized epilogue step: the nodes it spans and what it reads besides the value."""
+
+    name: str
+    nodes: list[fx.Node]  # every node of the step, ``out`` last
+    operand: fx.Node | None = None
+    scalar: float | None = None
+    # Transparent steps (reshapes between the GEMM and its epilogue) carry no vocabulary name.
+    transparent: bool = False
+
+    @property
+    def out(self) -> fx.Node:
+        return self.nodes[-1]
+
+
+@dataclass
+class GemmSite:
+    """A GEMM anchor and what the passes learned about it."""
+
+    anchor: fx.Node
+    forms: frozenset[str]  # anchor vocabulary names this GEMM answers to (mm / addmm / linear)
+    x: fx.Node  # the [M, K] activation
+    weight: fx.Node  # the weight tensor as stored
+    weight_layout: str  # "kn" (used as is) or "nk" (seen through permute([1, 0]))
+    m: Dim
+    k: int
+    n: int
+    dtype: torch.dtype
+    device: torch.device
+    leading_steps: list[Step] = field(default_factory=list)  # addmm's bias, folded into the chain
+    chain: list[Step] = field(default_factory=list)
+    rule: Rule | None = None
+    reason: str | None = None  # why no rule applies, or why the site is not rewritten
+    notes: list[str] = field(default_factory=list)  # what legality cut, and why
+    runs_on: str = "inductor"
+    fused: fx.Node | None = None
+
+    @property
+    def steps(self) -> list[Step]:
+        return [s for s in self.chain if not s.transparent]
+
+    @property
+    def output(self) -> fx.Node:
+        return self.chain[-1].out if self.chain else self.anchor
+
+    @property
+    def static_m(self) -> int | None:
+        return self.m if isinstance(self.m, int) else None
+
+
+@dataclass
+class PassContext:
+    graph: fx.Graph
+    options: BackendOptions
+    rules: list[Rule]
+    report: GraphReport
+    sites: list[GemmSite] = field(default_factory=list)
+    # GEMM nodes no rule can anchor on, with the reason (the report's ``unfused_gemms``).
+    unanchored: list[tuple[fx.Node, str]] = field(default_factory=list)
+    # False when the backend only reports what it would fuse (CPU without rewrite_on_cpu, cache hits).
+    rewrite: bool = True

@@ -1,0 +1,133 @@
+"""The pass manager: one ``CustomGraphPass`` that runs the pipeline and reports what it did.
+
+Its ``uuid()`` covers the package version, the options that change the rewrite and the content of
+every rule file, so Inductor's FX graph cache stays on and never serves a graph rewritten under
+other rules.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from .. import __version__
+from ..options import BackendOptions
+from ..report import GraphReport, SiteReport, UnfusedGemm, dim_for_report, record, write_dump
+from ..rules import builtin_rule_files, load_rules, rules_digest
+from ..vocabulary import dtype_name
+from . import PIPELINE
+from .context import GemmSite, PassContext
+
+log = logging.getLogger(__name__)
+_graph_ids = itertools.count()
+
+
+class HelionPassManager(CustomGraphPass):
+    def __init__(self, options: BackendOptions) -> None:
+        self.options = options
+        self.rule_files = [*(builtin_rule_files() if options.builtin_rules else []), *map(Path, options.rules)]
+        self.rules = sorted(load_rules(self.rule_files), key=lambda r: -r.priority)
+        self._uuid = hashlib.sha256(
+            json.dumps(
+                {
+                    "version": __version__,
+                    "options": options.fingerprint(),
+                    "rules": rules_digest(self.rule_files),
+                },
+                sort_keys=True,
+                default=str,
+            ).encode()
+        ).hexdigest()
+        self.graph_kind = "unknown"
+        self.reports: list[GraphReport] = []  # of the compile under way
+        # M expressions of rewritten sites whose token count is symbolic (for the token router).
+        self.dynamic_token_exprs: list = []
+
+    def uuid(self) -> str:
+        return self._uuid
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.run(graph, rewrite=True)
+
+    def run(self, graph: fx.Graph, rewrite: bool) -> GraphReport:
+        report = GraphReport(graph=f"graph_{next(_graph_ids):03d}", kind=self.graph_kind,
+                             from_cache=not rewrite)
+        before = _readable(graph)
+        ctx = PassContext(graph=graph, options=self.options, rules=self.rules, report=report,
+                          rewrite=rewrite)
+        for stage in PIPELINE:
+            stage.run(ctx)
+        _fill_report(ctx)
+        self.dynamic_token_exprs.extend(
+            site.m.node.expr for site in ctx.sites if site.fused is not None and site.static_m is None
+        )
+        self.reports.append(report)
+        record(report)
+        self._emit(report, before, _readable(graph) if rewrite else before)
+        log.info("%s", report.summary())
+        return report
+
+    def _emit(self, report: GraphReport, before: str, after: str) -> None:
+        if self.options.debug_dir:
+            write_dump(Path(self.options.debug_dir) / report.graph, report, before, after)
+        _inductor_debug_dump(report, before, after)
+        torch._logging.trace_structured(
+            "artifact",
+            metadata_fn=lambda: {"name": "helion_inductor_report", "encoding": "json"},
+            payload_fn=lambda: json.dumps(report.to_json()),
+        )
+
+
+def _fill_report(ctx: PassContext) -> None:
+    for site in ctx.sites:
+        if site.rule is None:
+            ctx.unanchored.append((site.anchor, site.reason or "no rule applies"))
+        else:
+            ctx.report.sites.append(_site_report(site))
+    ctx.report.unfused_gemms.extend(
+        UnfusedGemm(node=node.name, op=str(node.target), reason=reason) for node, reason in ctx.unanchored
+    )
+
+
+def _site_report(site: GemmSite) -> SiteReport:
+    return SiteReport(
+        rule=site.rule.name,
+        anchor=site.anchor.name,
+        anchor_op=str(site.anchor.target),
+        prologue=[],
+        epilogue=[s.name for s in site.steps],
+        kernel=site.rule.kernel,
+        runs_on=site.runs_on,
+        why=site.reason,
+        m=dim_for_report(site.m),
+        k=site.k,
+        n=site.n,
+        dtype=dtype_name(site.dtype),
+        notes=list(site.notes),
+    )
+
+
+def _readable(graph: fx.Graph) -> str:
+    module = graph.owning_module
+    if module is not None:
+        return module.print_readable(print_output=False)
+    return str(graph)
+
+
+def _inductor_debug_dump(report: GraphReport, before: str, after: str) -> None:
+    """With TORCH_COMPILE_DEBUG=1, put the same artifacts in Inductor's debug folder of the graph."""
+    from torch._inductor import config
+    from torch._inductor.virtualized import V
+
+    if not config.trace.enabled:
+        return
+    path = getattr(V.debug, "_path", None)
+    if path:
+        write_dump(Path(path) / "helion_inductor", report, before, after)

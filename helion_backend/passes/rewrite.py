@@ -1,0 +1,77 @@
+"""Rewrite: decide where each matched site runs and replace the fused ones by one op call."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch.utils._pytree import tree_leaves
+
+from .. import dispatch
+from ..epilogue import format_epilogue
+from ..ops import gemm_epilogue
+from ..patterns import val
+from .context import GemmSite, PassContext
+
+aten = torch.ops.aten
+FUSED_OP = gemm_epilogue._opoverload
+
+
+def run(ctx: PassContext) -> None:
+    for site in ctx.sites:
+        if site.rule is None:
+            continue
+        site.runs_on, site.reason = placement(site, ctx)
+        if site.runs_on != "inductor" and ctx.rewrite:
+            _replace(ctx.graph, site, ctx.options.max_helion_size)
+
+
+def placement(site: GemmSite, ctx: PassContext) -> tuple[str, str | None]:
+    """``(runs_on, why)``: helion on CUDA for small M, the reference where asked, else Inductor."""
+    limit = ctx.options.max_helion_size
+    if site.device.type == "cuda":
+        if site.static_m is not None and site.static_m > limit:
+            return "inductor", f"M={site.static_m} > max_helion_size={limit}: cuBLAS + Inductor's epilogue"
+        problem = dispatch.helion_unavailable_reason()
+        if problem:
+            return "reference", problem
+        if site.static_m is None:
+            return "helion", f"M is dynamic: Helion when M <= {limit} at run time, cuBLAS above"
+        return "helion", None
+    if ctx.options.rewrite_on_cpu:
+        return "reference", f"no Helion kernel on {site.device.type}: rewrite_on_cpu runs the reference"
+    return "inductor", (
+        f"{site.device.type} graph: left to Inductor (option rewrite_on_cpu rewrites it to the reference)"
+    )
+
+
+def _replace(graph: fx.Graph, site: GemmSite, max_helion_m: int) -> None:
+    steps = site.steps
+    out_val = val(site.output)
+    args = (
+        site.x,
+        site.weight,
+        site.weight_layout,
+        [s.operand for s in steps if s.operand is not None],
+        [s.scalar for s in steps if s.scalar is not None],
+        format_epilogue([s.name for s in steps]),
+        out_val.dtype,
+        site.rule.kernel,
+        max_helion_m,
+    )
+    with graph.inserting_before(site.output):
+        fused = _call(graph, FUSED_OP, args)
+        result = fused
+        reshapes = [s for s in site.chain if s.transparent]
+        if reshapes:  # a 3-D F.linear: view the [M, N] result back to the shape users expect
+            result = _call(graph, aten.view.default, (fused, reshapes[-1].out.args[1]))
+    site.output.replace_all_uses_with(result)
+    site.fused = fused
+
+
+def _call(graph: fx.Graph, target, args: tuple) -> fx.Node:
+    node = graph.call_function(target, args)
+    vals = fx.node.map_arg(args, lambda n: n.meta["val"])
+    with detect_fake_mode(tree_leaves(vals)):
+        node.meta["val"] = target(*vals)
+    return node

@@ -1,0 +1,226 @@
+"""Recognizers for epilogue steps in the forms the post-grad graph really has.
+
+Simple steps (bias, residual, scale, mul, cast) are single aten nodes. Activations arrive decomposed
+(GELU as an erf or tanh chain, SiLU as neg/exp/add/div or sigmoid/mul, with fp32 round trips), in
+orders that change between PyTorch versions. Instead of one structural pattern per form, an
+activation is found as a *closed pointwise region*: nodes that are pure functions of one value, whose
+intermediates are used only inside the region. The region is run in float64 on probe points and
+compared with each activation's definition. Float casts inside a region are treated as identity: the
+fused kernel computes the epilogue in fp32 on the accumulator anyway.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Sequence
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from .passes.context import Step
+from .epilogue import ACTIVATION_FORMULAS
+from .vocabulary import SUPPORTED_DTYPES, Operand
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+_REGION_OPS = frozenset({
+    aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.div.Tensor, aten.neg.default,
+    aten.exp.default, aten.tanh.default, aten.erf.default, aten.sigmoid.default, aten.relu.default,
+    aten.pow.Tensor_Scalar, aten.reciprocal.default, aten.clamp_min.default, aten.abs.default,
+    aten.sqrt.default, aten.rsqrt.default, prims.convert_element_type.default,
+})
+_CASTS = frozenset({prims.convert_element_type.default, aten._to_copy.default})
+_RESHAPES = frozenset({aten.reshape.default, aten.view.default, aten._unsafe_view.default})
+_MAX_REGION_NODES = 24
+_PROBES = torch.cat([torch.linspace(-8.0, 8.0, 161, dtype=torch.float64),
+                     torch.tensor([-30.0, -1e-3, 1e-3, 30.0], dtype=torch.float64)])
+_PROBE_REFERENCE = {name: fn(_PROBES) for name, fn in ACTIVATION_FORMULAS.items()}
+
+
+def val(node: fx.Node) -> torch.Tensor | None:
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def same_shape(a: Sequence, b: Sequence) -> bool:
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
+
+
+def is_float_cast(node: fx.Node) -> bool:
+    if node.target not in _CASTS:
+        return False
+    out = val(node)
+    return out is not None and out.dtype in SUPPORTED_DTYPES.values() and len(node.users) > 0
+
+
+def next_step(value: fx.Node, n: int) -> Step | None:
+    """The epilogue step that consumes ``value`` (the running [.., N] result), if it is one we know."""
+    return activation_region(value) or _single_node_step(value, n)
+
+
+# --------------------------------------------------------------------------------------------------
+# Activation regions
+
+
+def activation_region(value: fx.Node) -> Step | None:
+    """The largest closed pointwise region fed only by ``value`` that computes a known activation."""
+    pure = _pure_functions_of(value)
+    dtype = val(value).dtype if val(value) is not None else None
+    for out in reversed(pure):
+        if out.target in _CASTS and val(out).dtype != dtype:
+            continue  # a cast that changes the dtype is a step of its own, reported as such
+        region = _closed_region(value, out, pure)
+        if region is None:
+            continue
+        name = _fingerprint(value, region)
+        if name is not None:
+            return Step(name, region)
+    return None
+
+
+def _pure_functions_of(value: fx.Node) -> list[fx.Node]:
+    """Nodes after ``value`` (graph order) computed from ``value`` and constants alone."""
+    pure: list[fx.Node] = []
+    members = {value}
+    frontier = sorted(value.users, key=_order)
+    seen = set(frontier)
+    while frontier and len(pure) < _MAX_REGION_NODES:
+        node = frontier.pop(0)
+        if not _pointwise_of(node, members):
+            continue
+        pure.append(node)
+        members.add(node)
+        for user in node.users:
+            if user not in seen:
+                seen.add(user)
+                frontier.append(user)
+        frontier.sort(key=_order)
+    return sorted(pure, key=_order)
+
+
+def _order(node: fx.Node) -> object:
+    return node._sort_key  # the graph's topological order, kept up to date by torch.fx
+
+
+def _pointwise_of(node: fx.Node, members: set[fx.Node]) -> bool:
+    if node.op != "call_function" or node.target not in _REGION_OPS:
+        return False
+    if node.target in _CASTS and not is_float_cast(node):
+        return False
+    tensors = [a for a in node.all_input_nodes]
+    others = [a for a in (*node.args, *node.kwargs.values()) if not isinstance(a, fx.Node)]
+    scalars_ok = all(isinstance(a, (numbers.Number, torch.dtype)) and not isinstance(a, bool) or a is None
+                     for a in others)
+    return bool(tensors) and all(t in members for t in tensors) and scalars_ok
+
+
+def _closed_region(value: fx.Node, out: fx.Node, pure: list[fx.Node]) -> list[fx.Node] | None:
+    """Ancestors of ``out`` among ``pure``, if none of them is used outside the region."""
+    region, todo = {out}, [out]
+    while todo:
+        for inp in todo.pop().all_input_nodes:
+            if inp is not value and inp not in region:
+                region.add(inp)
+                todo.append(inp)
+    if any(user not in region for node in region if node is not out for user in node.users):
+        return None
+    return sorted(region, key=_order)
+
+
+def _fingerprint(value: fx.Node, region: list[fx.Node]) -> str | None:
+    env: dict[fx.Node, torch.Tensor] = {value: _PROBES}
+
+    def load(a):
+        return env[a] if isinstance(a, fx.Node) else a
+
+    try:
+        for node in region:
+            if node.target in _CASTS:
+                env[node] = env[node.args[0]]
+                continue
+            args = [load(a) for a in node.args]
+            kwargs = {k: load(v) for k, v in node.kwargs.items()}
+            env[node] = node.target(*args, **kwargs)
+    except Exception:  # an op that does not accept float64 probes: not an activation we know
+        return None
+    result = env[region[-1]]
+    if result.shape != _PROBES.shape or result.dtype != torch.float64:
+        return None
+    for name, expected in _PROBE_REFERENCE.items():
+        if torch.allclose(result, expected, rtol=1e-9, atol=1e-12):
+            return name
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Single-node steps
+
+
+def _single_node_step(value: fx.Node, n: int) -> Step | None:
+    if len(value.users) != 1:
+        return None
+    (user,) = value.users
+    if user.op != "call_function":
+        return None
+    if user.target in _RESHAPES:
+        return _reshape_step(user, n)
+    if is_float_cast(user) and user.args[0] is value:
+        return Step("cast", [user])
+    if user.target is aten.add.Tensor and user.kwargs.get("alpha", 1) == 1:
+        return _add_step(value, user, n)
+    if user.target is aten.mul.Tensor:
+        return _mul_step(value, user)
+    return None
+
+
+def _other_arg(value: fx.Node, node: fx.Node) -> object:
+    a, b = node.args[:2]
+    if a is value and b is not value:
+        return b
+    if b is value and a is not value:
+        return a
+    return None
+
+
+def _add_step(value: fx.Node, node: fx.Node, n: int) -> Step | None:
+    other = _other_arg(value, node)
+    kind = operand_kind(other, val(value), n)
+    if kind is Operand.ROW:
+        return Step("bias", [node], operand=other)
+    if kind is Operand.FULL:
+        return Step("residual", [node], operand=other)
+    return None
+
+
+def _mul_step(value: fx.Node, node: fx.Node) -> Step | None:
+    other = _other_arg(value, node)
+    if isinstance(other, numbers.Real) and not isinstance(other, bool) and math.isfinite(other):
+        return Step("scale", [node], scalar=float(other))
+    if operand_kind(other, val(value), n=None) is Operand.FULL:
+        return Step("mul", [node], operand=other)
+    return None
+
+
+def operand_kind(other: object, value: torch.Tensor | None, n: int | None) -> Operand | None:
+    """ROW for a length-N vector (any leading 1s), FULL for the value's exact shape, else None."""
+    t = val(other) if isinstance(other, fx.Node) else None
+    if t is None or value is None or t.dtype not in SUPPORTED_DTYPES.values():
+        return None
+    if same_shape(t.shape, value.shape):
+        return Operand.FULL
+    if n is not None and t.dim() >= 1 and statically_known_true(t.shape[-1] == n) and all(
+        statically_known_true(d == 1) for d in t.shape[:-1]
+    ):
+        return Operand.ROW
+    return None
+
+
+def _reshape_step(node: fx.Node, n: int) -> Step | None:
+    out = val(node)
+    if out is None or out.dim() < 2 or not statically_known_true(out.shape[-1] == n):
+        return None
+    return Step("reshape", [node], transparent=True)
+

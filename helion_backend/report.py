@@ -1,0 +1,103 @@
+"""What the backend did to each graph: ``report.json``, a human summary, and before/after dumps."""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .vocabulary import dtype_name
+
+_lock = threading.Lock()
+_reports: list[GraphReport] = []
+
+
+@dataclass
+class SiteReport:
+    rule: str
+    anchor: str
+    anchor_op: str
+    prologue: list[str]
+    epilogue: list[str]
+    kernel: str
+    runs_on: str  # "helion" | "reference" | "inductor"
+    why: str | None
+    m: int | str  # "dynamic" when the token dimension is symbolic
+    k: int
+    n: int
+    dtype: str
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class UnfusedGemm:
+    node: str
+    op: str
+    reason: str
+
+
+@dataclass
+class GraphReport:
+    graph: str
+    kind: str = "unknown"  # "inference" | "forward" | "backward"
+    from_cache: bool = False  # True when Inductor's FX graph cache served the graph: analysis only
+    sites: list[SiteReport] = field(default_factory=list)
+    unfused_gemms: list[UnfusedGemm] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> GraphReport:
+        return cls(
+            graph=data["graph"],
+            kind=data.get("kind", "unknown"),
+            from_cache=data.get("from_cache", False),
+            sites=[SiteReport(**s) for s in data.get("sites", [])],
+            unfused_gemms=[UnfusedGemm(**u) for u in data.get("unfused_gemms", [])],
+        )
+
+    def summary(self) -> str:
+        lines = [f"graph {self.graph} ({self.kind}{', from FX graph cache' if self.from_cache else ''}): "
+                 f"{len(self.sites)} fused site(s), {len(self.unfused_gemms)} unfused GEMM(s)"]
+        for s in self.sites:
+            chain = " -> ".join([*s.prologue, s.anchor_op.split(".")[1], *s.epilogue])
+            where = f"{s.runs_on}" + (f" ({s.why})" if s.why else "")
+            lines.append(f"  [{s.rule}] {s.anchor}: {chain}  m={s.m} k={s.k} n={s.n} {s.dtype} -> {where}")
+            lines.extend(f"      note: {note}" for note in s.notes)
+        for u in self.unfused_gemms:
+            lines.append(f"  unfused {u.node} ({u.op}): {u.reason}")
+        return "\n".join(lines)
+
+
+def dim_for_report(m: object) -> int | str:
+    return m if isinstance(m, int) else "dynamic"
+
+
+def record(report: GraphReport) -> None:
+    with _lock:
+        _reports.append(report)
+
+
+def get_reports() -> list[GraphReport]:
+    """Reports of every graph compiled in this process, oldest first."""
+    with _lock:
+        return list(_reports)
+
+
+def clear_reports() -> None:
+    with _lock:
+        _reports.clear()
+
+
+def write_dump(directory: Path, report: GraphReport, before: str, after: str) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "before.py").write_text(before)
+    (directory / "after.py").write_text(after)
+    (directory / "summary.txt").write_text(report.summary() + "\n")
+    (directory / "report.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
+
+
+__all__ = ["GraphReport", "SiteReport", "UnfusedGemm", "get_reports", "clear_reports", "dtype_name"]

@@ -1,0 +1,374 @@
+"""Declarative fusion rules: TOML files in ``rules/`` that users copy and edit.
+
+A file holds ``[[rule]]`` tables::
+
+    [[rule]]
+    name = "gemm_activation"
+    anchor = ["mm", "addmm", "linear"]
+    epilogue = ["bias?", "gelu|gelu_tanh|silu|relu|sigmoid", "scale?", "residual?", "cast?"]
+    dtypes = ["bfloat16", "float16"]
+    where = ["k % 8 == 0"]
+    priority = 30
+
+``epilogue`` is an ordered list of step patterns: alternatives joined by ``|``, then ``?`` (optional)
+or ``*`` (any number). A site takes the longest run of recognized steps the pattern accepts. ``where``
+constraints are expressions over ``m``, ``k``, ``n``; they are parsed into a small AST and
+interpreted, never evaluated as Python. Loading uses :mod:`tomllib`, which cannot run code.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import operator
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from .vocabulary import (
+    CONSTRAINT_NAMES,
+    EPILOGUE_STEPS,
+    KERNEL_FAMILIES,
+    PROLOGUE_STEPS,
+    SUPPORTED_DTYPES,
+    Anchor,
+)
+
+BUILTIN_RULES_DIR = Path(__file__).resolve().parent.parent / "rules"
+
+_KEYS = {
+    "name": "rule name, unique across all loaded files",
+    "description": "free text",
+    "anchor": "list of GEMM forms",
+    "prologue": "list of prologue step patterns",
+    "epilogue": "list of epilogue step patterns",
+    "dtypes": "list of input dtypes",
+    "where": "list of constraint expressions over m, k, n",
+    "priority": "integer; higher wins",
+    "kernel": "kernel family",
+}
+_MAX_PATTERN_STEPS = 32
+_MAX_CONSTRAINT_CHARS = 200
+_MAX_CONSTANT = 1 << 40
+
+
+class RuleError(ValueError):
+    """A rule file is wrong; the message starts with ``path:line:``."""
+
+
+@dataclass(frozen=True)
+class StepPattern:
+    choices: frozenset[str]
+    optional: bool
+    repeat: bool
+
+    def __str__(self) -> str:
+        return "|".join(sorted(self.choices)) + ("*" if self.repeat else "?" if self.optional else "")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    text: str
+    tree: ast.Expression
+
+    def holds(self, values: dict[str, int | None]) -> bool | None:
+        """True/False, or None when it reads a value that is not static (a dynamic ``m``)."""
+        try:
+            return bool(_interpret(self.tree.body, values))
+        except _Unknown:
+            return None
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    source: str  # "path:line" of the rule's table
+    anchors: frozenset[str]
+    prologue: tuple[StepPattern, ...]
+    epilogue: tuple[StepPattern, ...]
+    dtypes: frozenset[torch.dtype]
+    where: tuple[Constraint, ...]
+    priority: int
+    kernel: str
+    description: str = ""
+
+    def accepted_prefix(self, steps: Sequence[str]) -> int | None:
+        """Length of the longest prefix of ``steps`` the epilogue pattern accepts, or None."""
+        return _longest_accepted_prefix(self.epilogue, steps)
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+
+
+def builtin_rule_files() -> list[Path]:
+    if not BUILTIN_RULES_DIR.is_dir():
+        raise RuleError(
+            f"{BUILTIN_RULES_DIR}: the shipped rules folder is missing; install the project with "
+            "`pip install -e .` from its checkout, or pass options={'builtin_rules': False}"
+        )
+    return sorted(BUILTIN_RULES_DIR.glob("*.toml"))
+
+
+def load_rules(paths: Iterable[str | Path]) -> list[Rule]:
+    """Parse and validate every file; names must be unique across them. Raises :class:`RuleError`."""
+    rules: list[Rule] = []
+    seen: dict[str, str] = {}
+    for path in paths:
+        for rule in load_rule_file(path):
+            if rule.name in seen:
+                raise RuleError(
+                    f"{rule.source}: rule name {rule.name!r} is already defined at {seen[rule.name]}"
+                )
+            seen[rule.name] = rule.source
+            rules.append(rule)
+    return rules
+
+
+def load_rule_file(path: str | Path) -> list[Rule]:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise RuleError(f"{path}:0: cannot read rule file: {e.strerror}") from None
+    return _parse_text(text, str(path))
+
+
+def rules_digest(paths: Iterable[str | Path]) -> str:
+    """Content hash of rule files, for the FX graph cache key."""
+    h = hashlib.sha256()
+    for path in paths:
+        h.update(str(path).encode())
+        h.update(Path(path).read_bytes())
+    return h.hexdigest()
+
+
+def _parse_text(text: str, path: str) -> list[Rule]:
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        line = re.search(r"line (\d+)", str(e))
+        where = line.group(1) if line else max(1, len(text.splitlines()))
+        raise RuleError(f"{path}:{where}: invalid TOML: {e}") from None
+    locate = _Locator(text, path)
+    extra = sorted(set(doc) - {"rule"})
+    if extra:
+        raise RuleError(f"{locate.top(extra[0])}: unknown top-level key {extra[0]!r}; a file holds [[rule]] tables")
+    tables = doc.get("rule", [])
+    if not isinstance(tables, list) or not tables:
+        raise RuleError(f"{path}:1: no [[rule]] tables in the file")
+    return [_parse_rule(table, i, locate) for i, table in enumerate(tables)]
+
+
+def _parse_rule(table: dict[str, Any], index: int, locate: _Locator) -> Rule:
+    def fail(key: str | None, message: str) -> RuleError:
+        return RuleError(f"{locate.key(index, key)}: rule #{index + 1}: {message}")
+
+    unknown = sorted(set(table) - set(_KEYS))
+    if unknown:
+        raise fail(unknown[0], f"unknown key {unknown[0]!r}; valid keys are {sorted(_KEYS)}")
+    for required in ("name", "anchor"):
+        if required not in table:
+            raise fail(None, f"missing required key {required!r}")
+
+    name = _typed(table, "name", str, fail)
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}", name):
+        raise fail("name", f"name {name!r} must be an identifier of at most 64 characters")
+    anchors = _string_list(table, "anchor", fail)
+    valid_anchors = sorted(a.value for a in Anchor)
+    for a in anchors:
+        if a not in valid_anchors:
+            raise fail("anchor", f"unknown anchor {a!r}; valid anchors are {valid_anchors}")
+    if not anchors:
+        raise fail("anchor", "anchor list is empty")
+
+    dtype_names = _string_list(table, "dtypes", fail) if "dtypes" in table else list(SUPPORTED_DTYPES)
+    for d in dtype_names:
+        if d not in SUPPORTED_DTYPES:
+            raise fail("dtypes", f"unsupported dtype {d!r}; valid dtypes are {sorted(SUPPORTED_DTYPES)}")
+
+    kernel = _typed(table, "kernel", str, fail) if "kernel" in table else KERNEL_FAMILIES[0]
+    if kernel not in KERNEL_FAMILIES:
+        raise fail("kernel", f"unknown kernel family {kernel!r}; valid families are {list(KERNEL_FAMILIES)}")
+    priority = _typed(table, "priority", int, fail) if "priority" in table else 0
+    if abs(priority) > 1_000_000:
+        raise fail("priority", f"priority {priority} is out of range (|priority| <= 1000000)")
+
+    return Rule(
+        name=name,
+        source=locate.key(index, None),
+        anchors=frozenset(anchors),
+        prologue=_patterns(table, "prologue", PROLOGUE_STEPS, fail),
+        epilogue=_patterns(table, "epilogue", EPILOGUE_STEPS, fail),
+        dtypes=frozenset(SUPPORTED_DTYPES[d] for d in dtype_names),
+        where=tuple(_constraint(t, fail) for t in _string_list(table, "where", fail)),
+        priority=priority,
+        kernel=kernel,
+        description=_typed(table, "description", str, fail) if "description" in table else "",
+    )
+
+
+def _typed(table: dict[str, Any], key: str, typ: type, fail) -> Any:
+    value = table[key]
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise fail(key, f"{key!r} must be a {typ.__name__}, got {value!r}")
+    return value
+
+
+def _string_list(table: dict[str, Any], key: str, fail) -> list[str]:
+    value = table.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise fail(key, f"{key!r} must be a list of strings, got {value!r}")
+    return value
+
+
+def _patterns(table: dict[str, Any], key: str, vocabulary: dict, fail) -> tuple[StepPattern, ...]:
+    texts = _string_list(table, key, fail)
+    if len(texts) > _MAX_PATTERN_STEPS:
+        raise fail(key, f"{key!r} has {len(texts)} entries; at most {_MAX_PATTERN_STEPS} are allowed")
+    patterns = []
+    for text in texts:
+        match = re.fullmatch(r"\s*([A-Za-z0-9_|\s]+?)\s*([?*]?)\s*", text)
+        if not match:
+            raise fail(key, f"cannot parse step pattern {text!r}; write e.g. 'bias?' or 'gelu|silu'")
+        choices = frozenset(c.strip() for c in match.group(1).split("|"))
+        unknown = sorted(c for c in choices if c not in vocabulary)
+        if unknown:
+            valid = sorted(vocabulary) or "none yet"
+            raise fail(key, f"unknown {key} step {unknown[0]!r} in {text!r}; valid steps are {valid}")
+        patterns.append(StepPattern(choices, optional=match.group(2) == "?", repeat=match.group(2) == "*"))
+    return tuple(patterns)
+
+
+# --------------------------------------------------------------------------------------------------
+# Epilogue patterns: a tiny NFA over step names (each pattern entry is one state).
+
+
+def _closure(patterns: Sequence[StepPattern], states: set[int]) -> set[int]:
+    out, todo = set(states), list(states)
+    while todo:
+        i = todo.pop()
+        if i < len(patterns) and (patterns[i].optional or patterns[i].repeat) and i + 1 not in out:
+            out.add(i + 1)
+            todo.append(i + 1)
+    return out
+
+
+def _longest_accepted_prefix(patterns: Sequence[StepPattern], steps: Sequence[str]) -> int | None:
+    states = _closure(patterns, {0})
+    best = 0 if len(patterns) in states else None
+    for length, step in enumerate(steps, start=1):
+        moved = set()
+        for i in states:
+            if i < len(patterns) and step in patterns[i].choices:
+                moved.add(i if patterns[i].repeat else i + 1)
+        states = _closure(patterns, moved)
+        if not states:
+            break
+        if len(patterns) in states:
+            best = length
+    return best
+
+
+# --------------------------------------------------------------------------------------------------
+# Constraints: parsed with ast, checked against a whitelist, interpreted by hand.
+
+_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
+_CMPOPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt,
+           ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge}
+
+
+class _Unknown(Exception):
+    pass
+
+
+def _constraint(text: str, fail) -> Constraint:
+    if len(text) > _MAX_CONSTRAINT_CHARS:
+        raise fail("where", f"constraint is longer than {_MAX_CONSTRAINT_CHARS} characters")
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError as e:
+        raise fail("where", f"cannot parse constraint {text!r}: {e.msg}") from None
+    for node in ast.walk(tree):
+        problem = _forbidden(node)
+        if problem:
+            raise fail("where", f"constraint {text!r}: {problem}")
+    return Constraint(text, tree)
+
+
+def _forbidden(node: ast.AST) -> str | None:
+    allowed = (ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not, ast.USub,
+               ast.BinOp, ast.Compare, ast.Name, ast.Load, ast.Constant,
+               *_BINOPS, *_CMPOPS)
+    if not isinstance(node, allowed):
+        return f"{type(node).__name__} is not allowed (use integers, m/k/n, + - * // %, comparisons, and/or/not)"
+    if isinstance(node, ast.Name) and node.id not in CONSTRAINT_NAMES:
+        return f"unknown name {node.id!r}; constraints may use {list(CONSTRAINT_NAMES)}"
+    if isinstance(node, ast.Constant) and (
+        type(node.value) is not int or abs(node.value) > _MAX_CONSTANT
+    ):
+        return f"constant {node.value!r} must be an integer with |value| <= 2**40"
+    return None
+
+
+def _interpret(node: ast.AST, values: dict[str, int | None]) -> int | bool:
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name):
+        value = values.get(node.id)
+        if value is None:
+            raise _Unknown(node.id)
+        return value
+    if isinstance(node, ast.BoolOp):
+        results = [_interpret(v, values) for v in node.values]
+        return all(results) if isinstance(node.op, ast.And) else any(results)
+    if isinstance(node, ast.UnaryOp):
+        value = _interpret(node.operand, values)
+        return (not value) if isinstance(node.op, ast.Not) else -value
+    if isinstance(node, ast.BinOp):
+        left, right = _interpret(node.left, values), _interpret(node.right, values)
+        if isinstance(node.op, (ast.FloorDiv, ast.Mod)) and right == 0:
+            return False
+        return _BINOPS[type(node.op)](left, right)
+    assert isinstance(node, ast.Compare)
+    left = _interpret(node.left, values)
+    for op, comparator in zip(node.ops, node.comparators):
+        right = _interpret(comparator, values)
+        if not _CMPOPS[type(op)](left, right):
+            return False
+        left = right
+    return True
+
+
+# --------------------------------------------------------------------------------------------------
+# Line numbers: tomllib does not keep them, so find the table and key in the text.
+
+
+class _Locator:
+    def __init__(self, text: str, path: str) -> None:
+        self.path = path
+        self.lines = text.splitlines()
+        self.tables = [i for i, line in enumerate(self.lines, 1) if re.match(r"\s*\[\[\s*rule\s*\]\]", line)]
+
+    def top(self, key: str) -> str:
+        for i, line in enumerate(self.lines, 1):
+            if re.match(rf"\s*\[*\s*\"?{re.escape(key)}\b", line):
+                return f"{self.path}:{i}"
+        return f"{self.path}:1"
+
+    def key(self, index: int, key: str | None) -> str:
+        if index >= len(self.tables):  # inline array-of-tables form: no [[rule]] headers
+            return f"{self.path}:1"
+        start = self.tables[index]
+        if key is None:
+            return f"{self.path}:{start}"
+        end = self.tables[index + 1] if index + 1 < len(self.tables) else len(self.lines) + 1
+        for i in range(start, end):
+            if re.match(rf"\s*\"?{re.escape(key)}\"?\s*=", self.lines[i - 1]):
+                return f"{self.path}:{i}"
+        return f"{self.path}:{start}"

@@ -1,0 +1,41 @@
+import os
+import tempfile
+
+# Keep Inductor's and the backend's caches out of the user's home: one fresh folder per test run.
+_CACHE_ROOT = tempfile.mkdtemp(prefix="helion_inductor_tests_")
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_CACHE_ROOT, "inductor"))
+os.environ.setdefault("HELION_INDUCTOR_CACHE_DIR", os.path.join(_CACHE_ROOT, "backend"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    # Run the Helion kernels' generated Triton code on the CPU (tests/test_kernel_interpret.py); it
+    # must be set before anything imports triton.language.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import helion_backend  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def fresh_compile_state():
+    torch._dynamo.reset()
+    helion_backend.clear_reports()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    from helpers import OpCalls
+
+    return OpCalls(monkeypatch)

@@ -1,0 +1,54 @@
+"""Shared test helpers: compile with the backend on the CPU and read what it reported."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+import helion_backend
+from helion_backend.report import GraphReport, SiteReport
+
+CPU_REWRITE = {"rewrite_on_cpu": True}
+
+
+def compile_run(fn: Callable, *args: Any, options: dict | None = None, **compile_kwargs: Any):
+    """Compile ``fn`` with the backend, run it once, return (output, reports of that compile)."""
+    helion_backend.clear_reports()
+    compiled = torch.compile(fn, backend="helion_inductor", options=dict(CPU_REWRITE if options is None else options),
+                             **compile_kwargs)
+    out = compiled(*args)
+    return out, helion_backend.get_reports()
+
+
+def sites(reports: list[GraphReport]) -> list[SiteReport]:
+    return [s for r in reports for s in r.sites]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.double()
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, dtype=dtype)
+
+
+class OpCalls:
+    """Counts the fused op's executions (it is an extern call, so each one goes through dispatch)."""
+
+    def __init__(self, monkeypatch) -> None:
+        from helion_backend import dispatch
+
+        self.epilogues: list[str] = []
+        original = dispatch.run_gemm_epilogue
+
+        def counting(*args, **kwargs):
+            self.epilogues.append(args[5])
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(dispatch, "run_gemm_epilogue", counting)
+
+    @property
+    def count(self) -> int:
+        return len(self.epilogues)

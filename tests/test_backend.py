@@ -1,0 +1,157 @@
+"""The backend as users reach it: entry point, options, mode, FX graph cache, debug output."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import compile_run, randn, sites
+
+from helion_backend.options import BackendOptions
+from helion_backend.passes.manager import HelionPassManager
+
+
+def run_python(code: str, env: dict | None = None, cwd: str | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=full_env, cwd=cwd, timeout=300)
+
+
+def test_entry_point_resolves_without_import_and_import_does_not_clash(tmp_path):
+    result = run_python(
+        """
+        import sys, torch
+        f = torch.compile(lambda x, w: torch.relu(x @ w), backend="helion_inductor",
+                          options={"rewrite_on_cpu": True})
+        x, w = torch.randn(4, 8), torch.randn(8, 16)
+        torch.testing.assert_close(f(x, w), torch.relu(x @ w))
+        assert "helion_backend" in sys.modules  # loaded by the entry point, not by us
+        import helion_backend  # must not raise "duplicate name"
+        print("sites", [s.rule for r in helion_backend.get_reports() for s in r.sites])
+        """,
+        cwd=str(tmp_path),  # not the checkout: the package must come from the installed entry point
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "sites ['gemm_activation']" in result.stdout
+
+
+def test_unknown_option_lists_valid_ones():
+    with pytest.raises(ValueError) as info:
+        BackendOptions.from_user({"max_helion_sise": 16})
+    message = str(info.value)
+    assert "max_helion_sise" in message and "max_helion_size" in message and "rewrite_on_cpu" in message
+    with pytest.raises(Exception, match="unknown option.*'bogus'.*valid options are"):
+        compile_run(lambda x: x @ x, randn(4, 4), options={"bogus": 1})
+
+
+def test_option_types_are_checked():
+    with pytest.raises(TypeError, match="max_helion_size"):
+        BackendOptions.from_user({"max_helion_size": "32"})
+
+
+def test_mode_is_accepted_and_unknown_mode_refused():
+    # torch.compile passes either mode= or options= to a backend, never both.
+    x, w = randn(4, 8), randn(8, 16)
+    import helion_backend
+
+    compiled = torch.compile(lambda x, w: torch.relu(x @ w), backend="helion_inductor", mode="max-autotune-no-cudagraphs")
+    torch.testing.assert_close(compiled(x, w), torch.relu(x @ w))
+    (site,) = sites(helion_backend.get_reports())
+    assert site.epilogue == ["relu"] and site.runs_on == "inductor"
+    with pytest.raises(ValueError, match="unknown mode 'fastest'"):
+        helion_backend.helion_inductor(torch.fx.symbolic_trace(lambda x: x + 1), [x], mode="fastest")
+
+
+def test_uuid_covers_rules_options_and_version(tmp_path):
+    rule = tmp_path / "r.toml"
+    rule.write_text('[[rule]]\nname = "r"\nanchor = ["mm"]\nepilogue = ["relu"]\n')
+    base = HelionPassManager(BackendOptions.from_user({"rules": [str(rule)]})).uuid()
+    assert base == HelionPassManager(BackendOptions.from_user({"rules": [str(rule)]})).uuid()
+    rule.write_text('[[rule]]\nname = "r"\nanchor = ["mm"]\nepilogue = ["relu?"]\n')
+    assert HelionPassManager(BackendOptions.from_user({"rules": [str(rule)]})).uuid() != base
+    other = HelionPassManager(BackendOptions.from_user({"rules": [str(rule)], "max_helion_size": 8}))
+    assert other.uuid() != base
+    debug_only = HelionPassManager(BackendOptions.from_user({"rules": [str(rule)], "debug_dir": "/x"}))
+    assert debug_only.uuid() == HelionPassManager(BackendOptions.from_user({"rules": [str(rule)]})).uuid()
+
+
+CACHE_PROGRAM = """
+import json, sys, torch, torch.nn.functional as F
+import helion_backend
+torch.manual_seed(0)
+x, w, b = torch.randn(4, 32), torch.randn(48, 32), torch.randn(48)
+fn = lambda x, w, b: F.gelu(F.linear(x, w, b), approximate="tanh")
+rules = sys.argv[1:]
+out = torch.compile(fn, backend="helion_inductor", options={"rewrite_on_cpu": True, "rules": rules})(x, w, b)
+ref = fn(x.double(), w.double(), b.double())
+err = ((out.double() - ref).norm() / ref.norm()).item()
+from torch._dynamo.utils import counters
+print(json.dumps({"err": err, "hits": counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"],
+                  "reports": [r.to_json() for r in helion_backend.get_reports()]}))
+"""
+
+
+def test_fx_graph_cache_second_process_is_correct_and_rule_change_misses(tmp_path):
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           "HELION_INDUCTOR_CACHE_DIR": str(tmp_path / "backend")}
+    script = tmp_path / "prog.py"
+    script.write_text(CACHE_PROGRAM)
+
+    def run(*rules):
+        result = subprocess.run([sys.executable, str(script), *rules], capture_output=True, text=True,
+                                env={**os.environ, **env}, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    first, second = run(), run()
+    assert first["hits"] == 0 and second["hits"] >= 1
+    for result in (first, second):
+        assert result["err"] < 1e-5
+        (report,) = result["reports"]
+        assert [s["epilogue"] for s in report["sites"]] == [["bias", "gelu_tanh"]]
+    assert second["reports"][0]["from_cache"] is True
+
+    # A user rule that takes the site changes the uuid: a miss, and the new rule shows in the report.
+    rule = tmp_path / "mine.toml"
+    rule.write_text('[[rule]]\nname = "mine"\nanchor = ["linear"]\nepilogue = ["bias"]\npriority = 99\n')
+    third = run(str(rule))
+    assert third["hits"] == 0 and third["err"] < 1e-5
+    assert [s["rule"] for s in third["reports"][0]["sites"]] == ["mine"]
+
+
+def test_debug_dir_dumps(tmp_path):
+    x, w, b = randn(4, 32), randn(48, 32), randn(48)
+    fn = lambda x, w, b: F.silu(F.linear(x, w, b))  # noqa: E731
+    compile_run(fn, x, w, b, options={"rewrite_on_cpu": True, "debug_dir": str(tmp_path)})
+    (graph_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert {p.name for p in graph_dir.iterdir()} == {"before.py", "after.py", "summary.txt", "report.json"}
+    report = json.loads((graph_dir / "report.json").read_text())
+    assert report["sites"][0]["epilogue"] == ["bias", "silu"]
+    assert set(report["sites"][0]) >= {"rule", "anchor", "anchor_op", "prologue", "epilogue", "kernel",
+                                       "runs_on", "why", "m", "k", "n", "dtype"}
+    assert "helion_inductor.gemm_epilogue" in (graph_dir / "after.py").read_text()
+    assert "aten.addmm" in (graph_dir / "before.py").read_text()
+    assert "gemm_activation" in (graph_dir / "summary.txt").read_text()
+
+
+def test_debug_env_vars(tmp_path):
+    result = run_python(
+        """
+        import torch, torch.nn.functional as F
+        f = torch.compile(lambda x, w: F.relu(x @ w), backend="helion_inductor")
+        f(torch.randn(4, 8), torch.randn(8, 16))
+        """,
+        env={"HELION_INDUCTOR_DEBUG_DIR": str(tmp_path / "dumps"), "TORCH_COMPILE_DEBUG": "1",
+             "TORCH_COMPILE_DEBUG_DIR": str(tmp_path / "tcd"),
+             "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor_cache")},
+        cwd=str(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert list((tmp_path / "dumps").glob("*/report.json"))
+    inductor_copies = list((tmp_path / "tcd").rglob("helion_inductor/report.json"))
+    assert inductor_copies, sorted(str(p) for p in Path(tmp_path / "tcd").rglob("*"))[:40]

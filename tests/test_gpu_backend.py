@@ -1,0 +1,87 @@
+"""The backend end to end on a CUDA GPU: Helion sites under cudagraph trees, static and dynamic M."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import helion_backend
+
+pytestmark = pytest.mark.gpu
+
+K, N = 512, 768
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def make_weights(dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(N, K, device="cuda", dtype=dtype, generator=g) / K**0.5
+    b = torch.randn(N, device="cuda", dtype=dtype, generator=g)
+    return w, b
+
+
+EPILOGUES = {
+    "none": (lambda x, w, b, r: F.linear(x, w), []),
+    "bias": (lambda x, w, b, r: F.linear(x, w, b), ["bias"]),
+    "bias_gelu_tanh": (lambda x, w, b, r: F.gelu(F.linear(x, w, b), approximate="tanh"), ["bias", "gelu_tanh"]),
+    "bias_gelu": (lambda x, w, b, r: F.gelu(F.linear(x, w, b)), ["bias", "gelu"]),
+    "silu": (lambda x, w, b, r: F.silu(F.linear(x, w)), ["silu"]),
+    "relu_scale": (lambda x, w, b, r: torch.relu(F.linear(x, w, b)) * 0.5, ["bias", "relu", "scale"]),
+    "sigmoid_mul": (lambda x, w, b, r: torch.sigmoid(F.linear(x, w)) * r, ["sigmoid", "mul"]),
+    "residual": (lambda x, w, b, r: F.linear(x, w, b) + r, ["bias", "residual"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EPILOGUES))
+@pytest.mark.parametrize("m", [1, 16, 33])
+def test_static_m_sites_run_where_they_should_and_replay_correctly(name, m):
+    fn, steps = EPILOGUES[name]
+    w, b = make_weights()
+    compiled = torch.compile(fn, backend="helion_inductor")  # CUDA graphs on by default
+    for call in range(4):  # the first calls warm up and record; later ones replay the CUDA graph
+        x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+        r = torch.randn(m, N, device="cuda", dtype=torch.bfloat16)
+        out = compiled(x, w, b, r)
+        ref = fn(x.double(), w.double(), b.double(), r.double())
+        assert rel_err(out, ref) <= 1e-2, (name, m, call)
+    (site,) = [s for rep in helion_backend.get_reports() for s in rep.sites]
+    assert site.epilogue == steps
+    assert site.runs_on == ("helion" if m <= 32 else "inductor"), site
+
+
+def test_dynamic_m_crosses_the_threshold_under_cudagraphs():
+    w, b = make_weights()
+    fn = lambda x, r: F.gelu(F.linear(x, w, b), approximate="tanh") + r  # noqa: E731
+    compiled = torch.compile(fn, backend="helion_inductor")
+    for m in (1, 8, 32, 33, 64, 512, 4, 32, 64, 2):
+        x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+        r = torch.randn(m, N, device="cuda", dtype=torch.bfloat16)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch._dynamo.mark_dynamic(r, 0)
+        for _ in range(3):
+            out = compiled(x, r)
+        ref = F.gelu(F.linear(x.double(), w.double(), b.double()), approximate="tanh") + r.double()
+        assert rel_err(out, ref) <= 1e-2, m
+    sites = [s for rep in helion_backend.get_reports() for s in rep.sites]
+    # Dynamo specializes M == 1 into a graph of its own; every other M shares the dynamic one.
+    assert [s.runs_on for s in sites if s.m == "dynamic"] == ["helion"]
+    assert all(s.runs_on == "helion" for s in sites if s.m == 1)
+
+
+def test_three_d_mlp_block_matches_eager():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(K, N), torch.nn.GELU(approximate="tanh"), torch.nn.Linear(N, K))
+    model = model.cuda().to(torch.bfloat16).eval()
+    compiled = torch.compile(model, backend="helion_inductor")
+    x = torch.randn(2, 4, K, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for _ in range(3):
+            out = compiled(x)
+        ref = copy.deepcopy(model).double()(x.double())
+    assert rel_err(out, ref) <= 1e-2
+    runs = [s.runs_on for rep in helion_backend.get_reports() for s in rep.sites]
+    assert runs == ["helion", "helion"]

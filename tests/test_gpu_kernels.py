@@ -1,0 +1,144 @@
+"""The Helion GEMM + epilogue kernels on a CUDA GPU, against a float64 reference.
+
+Outputs come from ``torch.empty``, so each call first fills the allocator's free blocks of the output's
+size with NaN: an element the kernel fails to write shows up as NaN.
+"""
+
+from __future__ import annotations
+
+import helion
+import pytest
+import torch
+
+from helion_backend.epilogue import apply_epilogue, operand_kinds
+from helion_backend.kernels import configs, gemm
+from helion_backend.kernels.gemm import gemm_epilogue_helion
+from helion_backend.vocabulary import EPILOGUE_STEPS, Operand
+
+pytestmark = pytest.mark.gpu
+
+K, N = 1000, 400  # multiples of no block size
+EPILOGUE = ("bias", "gelu_tanh", "scale", "residual")
+EVERY_STEP = (
+    "bias",
+    "gelu",
+    "scale",
+    "residual",
+    "mul",
+    "silu",
+    "sigmoid",
+    "relu",
+    "gelu_tanh",
+    "scale",
+    "cast",
+)
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+
+
+def float64_reference(x, w_kn, steps, operands, scalars) -> torch.Tensor:
+    acc = x.double() @ w_kn.double()
+    return apply_epilogue(acc, steps, [op.double() for op in operands].__getitem__, scalars)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def poison_allocator(m: int, n: int) -> None:
+    """Leave NaN-filled free blocks of every output and workspace size in the caching allocator."""
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+
+
+def inputs(m, k, n, dtype, layout, steps):
+    x = torch.randn(m, k, dtype=dtype, device="cuda")
+    w_kn = (
+        torch.randn(k, n, dtype=dtype, device="cuda")
+        if layout == "kn"
+        else torch.randn(n, k, dtype=dtype, device="cuda").t()
+    )
+    operands = [
+        torch.randn(n, dtype=dtype, device="cuda")
+        if kind is Operand.ROW
+        else torch.randn(m, n, dtype=dtype, device="cuda")
+        for kind in operand_kinds(steps)
+    ]
+    scalars = [0.5 + i for i, s in enumerate(steps) if s == "scale"]
+    return x, w_kn, operands, scalars
+
+
+def with_split_k(config: helion.Config, split_k: int) -> helion.Config:
+    return helion.Config(**{**config, "split_k": split_k})
+
+
+def check(m, k, n, dtype, layout, steps, split_k=None, out_dtype=None) -> None:
+    """One call against the float64 reference; ``split_k`` None keeps the default config's."""
+    x, w_kn, operands, scalars = inputs(m, k, n, dtype, layout, steps)
+    config = configs.default_config(m, k, n, dtype)
+    if split_k is not None:
+        config = with_split_k(config, split_k)
+    poison_allocator(m, n)
+    out = gemm_epilogue_helion(x, w_kn, steps, operands, scalars, out_dtype or dtype, config)
+    assert out.shape == (m, n) and out.dtype == (out_dtype or dtype) and out.is_contiguous()
+    assert not out.isnan().any()
+    assert rel_err(out, float64_reference(x, w_kn, steps, operands, scalars)) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("split_k", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16, 24, 32, 33, 64, 512])
+def test_transposed_weight(m, dtype, split_k):
+    check(m, K, N, dtype, "nk", EPILOGUE, split_k)
+
+
+@pytest.mark.parametrize("split_k", [1, 4])
+@pytest.mark.parametrize("m", [1, 33, 512])
+def test_plain_weight(m, split_k):
+    check(m, K, N, torch.bfloat16, "kn", EPILOGUE, split_k)
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("steps", [(), EVERY_STEP, *((s,) for s in EPILOGUE_STEPS)], ids=str)
+def test_each_step(steps, split_k):
+    check(16, K, N, torch.bfloat16, "nk", steps, split_k)
+
+
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_fp32_dots_are_exact(split_k):
+    """fp32 inputs must not silently run as TF32 (eager torch.mm does not by default)."""
+    check(8, K, N, torch.float32, "nk", ("bias", "relu"), split_k)
+
+
+def test_fp32_output_from_bf16_inputs():
+    check(4, K, N, torch.bfloat16, "nk", ("bias", "cast"), 1, out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize(
+    "m, k, n", [(1, 4096, 12288), (16, 4096, 12288), (16, 12288, 4096), (32, 4096, 4096)]
+)
+def test_default_configs_on_decode_shapes(m, k, n):
+    check(m, k, n, torch.bfloat16, "nk", EPILOGUE)
+
+
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_second_call_reuses_the_compiled_kernels(split_k):
+    check(16, K, N, torch.bfloat16, "nk", EPILOGUE, split_k)
+    compiled = len(gemm._COMPILED)
+    check(16, K, N, torch.bfloat16, "nk", EPILOGUE, split_k)
+    assert len(gemm._COMPILED) == compiled
+
+
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_cuda_graph_replay(split_k):
+    """Captured once, replayed on new values: how the backend runs under ``mode="reduce-overhead"``."""
+    x, w_kn, operands, scalars = inputs(16, K, N, torch.bfloat16, "nk", EPILOGUE)
+    config = with_split_k(configs.default_config(16, K, N, torch.bfloat16), split_k)
+    gemm_epilogue_helion(x, w_kn, EPILOGUE, operands, scalars, torch.bfloat16, config)  # compile outside
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemm_epilogue_helion(x, w_kn, EPILOGUE, operands, scalars, torch.bfloat16, config)
+    for t in (x, *operands):
+        t.copy_(torch.randn_like(t))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, float64_reference(x, w_kn, EPILOGUE, operands, scalars)) <= TOLERANCE[torch.bfloat16]

@@ -1,0 +1,172 @@
+"""The Helion GEMM + epilogue kernels on the CPU, through Triton's interpreter (``TRITON_INTERPRET=1``).
+
+What the interpreter cannot run is left to ``test_gpu_kernels.py``: ``gelu`` and ``gelu_tanh`` lower to
+libdevice ``erf``/``tanh``, which it lacks. Two interpreter bugs of Triton 3.6 are patched for these
+tests only (see ``_interpreter_fixes``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytest.importorskip("helion")
+
+import helion  # noqa: E402
+import triton.language as tl  # noqa: E402
+from helion.runtime.kernel import BoundKernel  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
+
+from helion_backend.epilogue import apply_epilogue, operand_kinds  # noqa: E402
+from helion_backend.kernels import configs, gemm, run_kernel  # noqa: E402
+from helion_backend.kernels.gemm import gemm_epilogue_helion  # noqa: E402
+from helion_backend.vocabulary import EPILOGUE_STEPS, Operand  # noqa: E402
+
+# Triton fixes interpreted or compiled per function when it is decorated (its standard library when
+# triton.language is imported), so the variable must be set before anything imports Triton, and a
+# process with a GPU runs these kernels for real instead.
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs a CPU-only run with TRITON_INTERPRET=1 set before Triton is imported",
+)
+
+NEEDS_LIBDEVICE = {"gelu", "gelu_tanh"}
+INTERPRETABLE_STEPS = [s for s in EPILOGUE_STEPS if s not in NEEDS_LIBDEVICE]
+# Small blocks keep the interpreter fast and make every test shape span several, partial, tiles.
+BLOCKS = [16, 32, 32]
+
+
+def _as_fp32(handle: interpreter.TensorHandle) -> interpreter.TensorHandle:
+    if handle.dtype != tl.bfloat16:
+        return handle
+    data = interpreter._convert_float(handle.data, tl.bfloat16, tl.float32, None).view(np.float32)
+    return interpreter.TensorHandle(data, tl.float32)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter_fixes():
+    """Patch two interpreter bugs with their upstream fixes, and fail on any autotuning.
+
+    - triton-lang/triton#9171: ``int()`` of a one-element array (dynamic loop bounds) raises on NumPy >= 2.4.
+    - triton-lang/triton#11584: ``tl.dot`` of bfloat16 multiplies the raw uint16 bit patterns.
+    """
+    patch_tensor = interpreter._patch_lang_tensor
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def patch_lang_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    def create_dot_fp32(self, a, b, *args):
+        return create_dot(self, _as_fp32(a), _as_fp32(b), *args)
+
+    def no_autotune(*args, **kwargs):
+        raise AssertionError("a kernel autotuned")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
+        mp.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot_fp32)
+        mp.setattr(BoundKernel, "autotune", no_autotune)
+        yield
+
+
+def float64_reference(x, w_kn, steps, operands, scalars) -> torch.Tensor:
+    acc = x.double() @ w_kn.double()
+    return apply_epilogue(acc, steps, [op.double() for op in operands].__getitem__, scalars)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def weight(k: int, n: int, layout: str, dtype: torch.dtype) -> torch.Tensor:
+    """A [K, N] weight, or the transposed view of an [N, K] (nn.Linear) one."""
+    return torch.randn(k, n, dtype=dtype) if layout == "kn" else torch.randn(n, k, dtype=dtype).t()
+
+
+def operands_for(steps, m: int, n: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Fresh random operands; full ones are transposed views, to exercise strided loads."""
+    return [
+        torch.randn(n, dtype=dtype) if kind is Operand.ROW else torch.randn(n, m, dtype=dtype).t()
+        for kind in operand_kinds(steps)
+    ]
+
+
+def run(m, k, n, dtype, layout, steps, split_k, out_dtype=None, scalars=None, config=None):
+    x = torch.randn(m, k, dtype=dtype)
+    w_kn = weight(k, n, layout, dtype)
+    operands = operands_for(steps, m, n, dtype)
+    scalars = scalars if scalars is not None else [0.5 + i for i, s in enumerate(steps) if s == "scale"]
+    config = config or helion.Config(block_sizes=BLOCKS, num_warps=4, num_stages=1, split_k=split_k)
+    out = gemm_epilogue_helion(x, w_kn, steps, operands, scalars, out_dtype or dtype, config)
+    return out, float64_reference(x, w_kn, steps, operands, scalars)
+
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+ALL_INTERPRETABLE = ("bias", "relu", "scale", "residual", "mul", "silu", "scale", "sigmoid")
+
+
+@pytest.mark.parametrize("split_k", [1, 4])
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 16, 33])
+def test_shapes_layouts_and_split_k(m, dtype, layout, split_k):
+    out, ref = run(m, 100, 72, dtype, layout, ALL_INTERPRETABLE, split_k)
+    assert out.shape == (m, 72) and out.dtype == dtype and out.is_contiguous()
+    assert rel_err(out, ref) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("steps", [(), *((s,) for s in INTERPRETABLE_STEPS)], ids=str)
+def test_each_step(steps, split_k):
+    out, ref = run(5, 70, 40, torch.bfloat16, "nk", steps, split_k)
+    assert rel_err(out, ref) <= TOLERANCE[torch.bfloat16]
+
+
+def test_out_dtype_differs_from_inputs():
+    out, ref = run(3, 64, 48, torch.bfloat16, "nk", ("bias", "cast"), 1, out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    assert rel_err(out, ref) <= 1e-5
+
+
+def test_default_config_splits_decode_shape():
+    """M=2, K=2048, N=64 is one output tile: the default config splits K, and stays correct."""
+    m, k, n = 2, 2048, 64
+    config = configs.default_config(m, k, n, torch.bfloat16)
+    assert config["split_k"] > 1
+    out, ref = run(m, k, n, torch.bfloat16, "nk", ("bias", "silu", "residual"), None, config=config)
+    assert rel_err(out, ref) <= TOLERANCE[torch.bfloat16]
+
+
+def test_run_kernel_uses_the_default_config():
+    x, w_kn, bias = torch.randn(3, 64), torch.randn(48, 64).t(), torch.randn(48)
+    out = run_kernel("gemm", x, w_kn, ("bias", "relu"), [bias], [], torch.float32)
+    assert rel_err(out, float64_reference(x, w_kn, ("bias", "relu"), [bias], [])) <= 1e-5
+
+
+def test_compiles_once_and_scalars_are_runtime_values():
+    steps = ("bias", "scale", "residual")
+    out_a, ref_a = run(4, 40, 24, torch.float32, "nk", steps, 1, scalars=[2.0])
+    compiled = len(gemm._COMPILED)
+    out_b, ref_b = run(4, 40, 24, torch.float32, "nk", steps, 1, scalars=[-3.0])
+    assert len(gemm._COMPILED) == compiled
+    assert rel_err(out_a, ref_a) <= 1e-5 and rel_err(out_b, ref_b) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "steps, operands, scalars, match",
+    [
+        (("bias",), [], [], "1 tensor operand"),
+        (("scale",), [], [], "1 scalar"),
+        (("bias",), [torch.randn(3)], [], r"shape \(8,\)"),
+        (("residual",), [torch.randn(8)], [], r"shape \(2, 8\)"),
+        (("nope",), [], [], "unknown epilogue step"),
+    ],
+)
+def test_rejects_malformed_epilogue_arguments(steps, operands, scalars, match):
+    with pytest.raises(ValueError, match=match):
+        gemm_epilogue_helion(torch.randn(2, 4), torch.randn(4, 8), steps, operands, scalars, torch.float32)

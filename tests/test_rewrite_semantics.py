@@ -1,0 +1,154 @@
+"""The rewrite preserves what the program computes: 3-D inputs, dynamic M, shared intermediates,
+two GEMMs feeding one add, dtypes, strides, training, and CPU graphs left alone by default."""
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from helpers import compile_run, randn, rel_err, sites
+
+from helion_backend.passes import legality
+from helion_backend.passes.context import GemmSite, Step
+
+
+def test_three_d_linear_with_residual(op_calls):
+    x, w, b, r = randn(2, 5, 32), randn(48, 32), randn(48), randn(2, 5, 48)
+    fn = lambda x, w, b, r: F.gelu(F.linear(x, w, b), approximate="tanh") + r  # noqa: E731
+    out, reports = compile_run(fn, x, w, b, r)
+    (site,) = sites(reports)
+    assert site.epilogue == ["bias", "gelu_tanh", "residual"] and site.m == 10
+    assert out.shape == (2, 5, 48) and op_calls.count == 1
+    assert rel_err(out, fn(x.double(), w.double(), b.double(), r.double())) < 1e-5
+
+
+@pytest.mark.parametrize("leading", [(), (2,)], ids=["2d", "3d"])
+def test_dynamic_tokens_route_each_call_on_its_m(leading, op_calls):
+    """One Dynamo compile serves every M; M <= max_helion_size runs the rewrite, larger M plain Inductor."""
+    import helion_backend
+
+    w, b = randn(48, 32), randn(48)
+    fn = lambda x: F.silu(F.linear(x, w, b))  # noqa: E731
+    compiled = torch.compile(fn, backend="helion_inductor",
+                             options={"rewrite_on_cpu": True, "max_helion_size": 8})
+    rows = len(leading) and leading[0]
+    seen = []
+    for tokens in (3, 5, 40, 8, 9, 2):
+        x = randn(*leading, tokens, 32)
+        torch._dynamo.mark_dynamic(x, x.dim() - 2)
+        out = compiled(x)
+        assert rel_err(out, F.silu(F.linear(x.double(), w.double(), b.double()))) < 1e-5
+        seen.append(tokens * (rows or 1))
+    fused = [m for m in seen if m <= 8]
+    assert op_calls.count == len(fused), (seen, op_calls.epilogues)
+    (report,) = helion_backend.get_reports()
+    assert [s.m for s in report.sites] == ["dynamic"]
+
+
+def test_intermediate_with_two_users_is_not_swallowed(op_calls):
+    x, w, b = randn(6, 32), randn(48, 32), randn(48)
+
+    def fn(x, w, b):
+        h = F.linear(x, w, b)
+        return F.gelu(h), h * 3.0
+
+    out, reports = compile_run(fn, x, w, b)
+    (site,) = sites(reports)
+    assert site.epilogue == ["bias"] and "also read by" in site.notes[0]
+    ref = fn(x.double(), w.double(), b.double())
+    assert all(rel_err(o, r) < 1e-5 for o, r in zip(out, ref))
+
+
+def test_activation_region_with_outside_user_stops_before_it(op_calls):
+    x, w = randn(6, 32), randn(48, 32)
+
+    def fn(x, w):
+        h = x @ w.t()
+        return torch.sigmoid(h) * h, torch.sigmoid(h)  # sigmoid(h) is shared: silu cannot take it
+
+    out, reports = compile_run(fn, x, w)
+    ref = fn(x.double(), w.double())
+    assert all(rel_err(o, r) < 1e-5 for o, r in zip(out, ref))
+    assert all("silu" not in s.epilogue for s in sites(reports))
+
+
+def test_two_gemms_summed_are_fused_once(op_calls):
+    x, w1, w2 = randn(6, 32), randn(48, 32), randn(48, 32)
+    fn = lambda x, w1, w2: F.linear(x, w1) + F.linear(x, w2)  # noqa: E731
+    out, reports = compile_run(fn, x, w1, w2)
+    found = sites(reports)
+    assert sorted(s.epilogue for s in found) == [[], ["residual"]]
+    assert rel_err(out, fn(x.double(), w1.double(), w2.double())) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_matches_float64(dtype, op_calls):
+    x, w, b, r = randn(6, 64, dtype=dtype), randn(96, 64, dtype=dtype), randn(96, dtype=dtype), randn(6, 96, dtype=dtype)
+    fn = lambda x, w, b, r: F.gelu(F.linear(x, w, b), approximate="tanh") * 0.5 + r  # noqa: E731
+    out, reports = compile_run(fn, x, w, b, r)
+    assert sites(reports)[0].dtype == str(dtype).removeprefix("torch.")
+    assert out.dtype == dtype and op_calls.count == 1
+    assert rel_err(out, fn(x.double(), w.double(), b.double(), r.double())) < 1e-2
+
+
+def test_cast_to_float32_output(op_calls):
+    x, w = randn(6, 64, dtype=torch.bfloat16), randn(96, 64, dtype=torch.bfloat16)
+    fn = lambda x, w: F.relu(x @ w.t()).float()  # noqa: E731
+    out, reports = compile_run(fn, x, w)
+    (site,) = sites(reports)
+    assert site.epilogue[-1] == "cast" and out.dtype == torch.float32
+    assert rel_err(out, fn(x.double(), w.double())) < 1e-2
+
+
+def test_non_contiguous_weight_and_activation(op_calls):
+    w_store, x_store = randn(64, 48), randn(32, 12)
+    w = w_store[::2]  # [32, 48] with row stride 96
+    x = x_store.t()  # [12, 32], transposed strides
+    fn = lambda x, w: F.relu(x @ w) * 2.0  # noqa: E731
+    out, reports = compile_run(fn, x, w)
+    assert sites(reports)[0].epilogue == ["relu", "scale"]
+    assert rel_err(out, fn(x.double(), w.double())) < 1e-5
+
+
+def test_cpu_graphs_are_reported_but_left_to_inductor_by_default(op_calls):
+    x, w, b = randn(6, 32), randn(48, 32), randn(48)
+    fn = lambda x, w, b: F.gelu(F.linear(x, w, b))  # noqa: E731
+    out, reports = compile_run(fn, x, w, b, options={})
+    (site,) = sites(reports)
+    assert site.runs_on == "inductor" and "rewrite_on_cpu" in site.why
+    assert op_calls.count == 0
+    assert rel_err(out, fn(x.double(), w.double(), b.double())) < 1e-5
+
+
+def test_training_step_gradients_match_eager():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(approximate="tanh"), torch.nn.Linear(64, 32))
+    reference = torch.nn.Sequential(*[m for m in __import__("copy").deepcopy(model)])
+    x = randn(8, 32)
+    compiled = torch.compile(model, backend="helion_inductor", options={"rewrite_on_cpu": True})
+    loss = compiled(x).square().mean()
+    loss.backward()
+    ref_loss = reference(x).square().mean()
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    import helion_backend
+
+    kinds = {r.kind for r in helion_backend.get_reports()}
+    assert {"forward", "backward"} <= kinds
+
+
+def test_operand_computed_from_the_gemm_stops_the_site():
+    """The reachability check: a step whose operand depends on the GEMM is never fused."""
+    graph = fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    mm = graph.call_function(torch.ops.aten.mm.default, (x, w))
+    derived = graph.call_function(torch.ops.aten.neg.default, (mm,))
+    add = graph.call_function(torch.ops.aten.add.Tensor, (mm, derived))
+    graph.output(add)
+    site = GemmSite(anchor=mm, forms=frozenset({"mm"}), x=x, weight=w, weight_layout="kn", m=4, k=8, n=8,
+                    dtype=torch.float32, device=torch.device("cpu"),
+                    chain=[Step("residual", [add], operand=derived)])
+    # Pretend nothing else reads mm, so only the reachability check can object.
+    legal, why = legality._legal_prefix(site, {derived, add}, claimed=set())
+    assert legal == [] and "cycle" in why
