@@ -9,9 +9,18 @@ to cover every SM; split-K supplies them when N alone does not.
 from __future__ import annotations
 
 import functools
+import json
+import logging
+import re
+from pathlib import Path
 
 import helion
 import torch
+
+log = logging.getLogger(__name__)
+
+# Measured configs, one JSON file per GPU (benchmarks/sweep_gemm_configs.py writes them).
+TUNED_DIR = Path(__file__).resolve().parent / "tuned"
 
 _NUM_SMS = 132  # H200
 _DECODE_MAX_M = 32
