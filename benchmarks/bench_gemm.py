@@ -2,7 +2,7 @@
 
 Every case is one linear layer of Qwen3-8B or Qwen3-32B, ``F.linear`` followed by one epilogue, at one
 static number of tokens M. Each variant compiles the same module once per case and is timed by the GPU
-time of a CUDA-graph replay (median), next to the floor set by the measured copy bandwidth and matmul
+time of a CUDA-graph replay (median), next to the floor set by the measured memory bandwidth and matmul
 rate, with its output checked against a float64 reference.
 
 Typical use on the GPU machine (one call of at most ten minutes)::
@@ -513,8 +513,10 @@ def markdown(metadata: dict, rows: Sequence[dict]) -> str:
     variants = metadata["variants"]
     lines = [f"# GEMM + epilogue benchmark: {metadata['device']}, {metadata['dtype']}", ""]
     lines += [f"- {key}: `{metadata.get(key)}`" for key in MARKDOWN_METADATA]
+    lines += [f"- merged from: `{command}`" for command in metadata.get("merged_from", [])]
     lines += [
-        f"- copy bandwidth (read + write): {metadata['copy_bandwidth_gb_s']:.0f} GB/s; "
+        f"- memory bandwidth (the faster of a copy's read + write and a read-only sum): "
+        f"{metadata['copy_bandwidth_gb_s']:.0f} GB/s; "
         f"{metadata['dtype']} matmul: {metadata['matmul_tflop_s']:.3g} TFLOP/s",
         f"- cases run: {len(rows)}; skipped by the time budget: {len(metadata['skipped'])}"
         + ("" if metadata["complete"] else " (run incomplete)"),
@@ -546,13 +548,24 @@ def write_results(out_dir: Path, metadata: dict, rows: Sequence[dict]) -> Path:
     return json_path
 
 
+def restate_floors(row: dict, measured: dict, ceilings: dict) -> dict:
+    """``row``'s floors against ``ceilings`` instead of the shard's own, so one table has one floor."""
+    hbm = row["hbm_floor_us"] * measured["copy_bandwidth_gb_s"] / ceilings["copy_bandwidth_gb_s"]
+    flop = row["flop_floor_us"] * measured["matmul_tflop_s"] / ceilings["matmul_tflop_s"]
+    return {**row, "hbm_floor_us": hbm, "flop_floor_us": flop, "floor_us": max(hbm, flop)}
+
+
 def merge_results(paths: Sequence[Path], out_dir: Path) -> Path:
-    """Merge shard files of one device and dtype; a later file's row replaces an earlier one's."""
+    """Merge shard files of one device and dtype; a later file's row replaces an earlier one's, and
+    every floor is restated against the last file's measured ceilings."""
     rows: dict[tuple, dict] = {}
     shards = [json.loads(path.read_text()) for path in paths]
+    ceilings = shards[-1]["metadata"]
     for data in shards:
         for row in data["rows"]:
-            rows[(row["suite"], row["name"], row["m"], row["epilogue"], row["dtype"])] = row
+            rows[(row["suite"], row["name"], row["m"], row["epilogue"], row["dtype"])] = restate_floors(
+                row, data["metadata"], ceilings
+            )
     variants = [v for v in VARIANTS if any(v in row["times_us"] for row in rows.values())]
     merged = {
         **shards[-1]["metadata"],

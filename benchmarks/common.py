@@ -111,7 +111,7 @@ def time_callable_us(step: Step, config: TimingConfig, device: torch.device) -> 
 class Ceilings:
     """Measured rates that turn a kernel's bytes and FLOPs into a floor time."""
 
-    copy_bytes_per_s: float  # bytes read + bytes written per second by one large device copy
+    copy_bytes_per_s: float  # streaming bandwidth: the faster of a copy (read + write) and a read-only sum
     matmul_flop_per_s: float  # FLOP/s of one large square matmul in the benchmark dtype
 
     def hbm_floor_us(self, nbytes: int) -> float:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -76,6 +77,25 @@ def sweep_key(k: int, n: int, m: int, device: torch.device) -> dict | None:
             "candidates": len(results)}
 
 
+def _key(entry: dict) -> tuple:
+    return entry["dtype"], entry["k"], entry["n"], entry["m"]
+
+
+def _existing(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _existing_entries(path: Path) -> list[dict]:
+    return list(_existing(path).get("entries", []))
+
+
+def _existing_commands(path: Path) -> list[str]:
+    return list(_existing(path).get("metadata", {}).get("commands", []))
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--m", default="1,16,32", help="comma list of M values")
@@ -86,8 +106,10 @@ def main(argv: list[str]) -> None:
     device = torch.device("cuda")
     shapes = sorted({(s.k, s.n) for suite in args.suite.split(",") for s in SUITES[suite]})
     ms = [int(m) for m in args.m.split(",")]
-    start, entries = time.monotonic(), []
     path = configs.TUNED_DIR / f"{configs.gpu_key(device)}.json"
+    entries = {_key(e): e for e in _existing_entries(path)}  # a sweep updates the table, key by key
+    commands = [*_existing_commands(path), shlex.join(sys.orig_argv)]
+    start = time.monotonic()
     for k, n in shapes:
         for m in ms:
             if args.budget_min and time.monotonic() - start > 60 * args.budget_min:
@@ -95,14 +117,16 @@ def main(argv: list[str]) -> None:
                 continue
             entry = sweep_key(k, n, m, device)
             if entry:
-                entries.append(entry)
+                entries[_key(entry)] = entry
                 print(f"best K={k} N={n} M={m}: {entry['config']} {entry['us']} us")
-            table = {"metadata": {**run_metadata(device), "epilogue": list(STEPS)}, "entries": entries}
+            metadata = {**run_metadata(device), "epilogue": list(STEPS), "commands": commands}
+            metadata.pop("command")
+            table = {"metadata": metadata, "entries": sorted(entries.values(), key=_key)}
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(table, indent=1) + "\n")
             if args.out_dir:
                 (args.out_dir / path.name).write_text(path.read_text())
-    print(f"{len(entries)} keys in {time.monotonic() - start:.0f} s -> {path}")
+    print(f"{len(entries)} keys in the table after {time.monotonic() - start:.0f} s -> {path}")
 
 
 if __name__ == "__main__":
