@@ -16,7 +16,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-from . import BACKEND_NAME, report as reports
+from . import BACKEND_NAME
+from . import report as reports
 from .options import BackendOptions
 from .passes.manager import HelionPassManager
 from .token_routing import TokenRouter, make_token_counter
@@ -134,7 +135,8 @@ def _graph_key(manager: HelionPassManager, gm: torch.fx.GraphModule, inputs: Seq
 
 def register_backend() -> None:
     """Register the backend name unless the installed entry point already provides it."""
-    from torch._dynamo.backends.registry import _BACKENDS, register_backend as register
+    from torch._dynamo.backends.registry import _BACKENDS
+    from torch._dynamo.backends.registry import register_backend as register
 
     if BACKEND_NAME not in _BACKENDS:
         register(name=BACKEND_NAME)(helion_inductor)

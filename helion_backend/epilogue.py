@@ -7,6 +7,7 @@ read a scalar take the next entry of ``scalars``, both in step order.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import torch
@@ -46,6 +47,7 @@ ACTIVATION_FORMULAS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 assert tuple(ACTIVATION_FORMULAS) == ACTIVATIONS
 
 
+@functools.cache
 def parse_epilogue(spec: str) -> tuple[str, ...]:
     """``"bias,gelu_tanh"`` -> ``("bias", "gelu_tanh")``; the op carries epilogues as such strings."""
     steps = tuple(s for s in spec.split(",") if s)

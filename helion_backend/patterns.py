@@ -19,8 +19,8 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .passes.context import Step
 from .epilogue import ACTIVATION_FORMULAS
+from .passes.context import Step
 from .vocabulary import SUPPORTED_DTYPES, Operand
 
 aten = torch.ops.aten
@@ -32,7 +32,7 @@ _REGION_OPS = frozenset({
     aten.pow.Tensor_Scalar, aten.reciprocal.default, aten.clamp_min.default, aten.abs.default,
     aten.sqrt.default, aten.rsqrt.default, prims.convert_element_type.default,
 })
-_CASTS = frozenset({prims.convert_element_type.default, aten._to_copy.default})
+_CASTS = frozenset({prims.convert_element_type.default})
 _RESHAPES = frozenset({aten.reshape.default, aten.view.default, aten._unsafe_view.default})
 _MAX_REGION_NODES = 24
 _PROBES = torch.cat([torch.linspace(-8.0, 8.0, 161, dtype=torch.float64),
@@ -53,7 +53,7 @@ def is_float_cast(node: fx.Node) -> bool:
     if node.target not in _CASTS:
         return False
     out = val(node)
-    return out is not None and out.dtype in SUPPORTED_DTYPES.values() and len(node.users) > 0
+    return out is not None and out.dtype in SUPPORTED_DTYPES.values()
 
 
 def next_step(value: fx.Node, n: int) -> Step | None:
@@ -110,11 +110,13 @@ def _pointwise_of(node: fx.Node, members: set[fx.Node]) -> bool:
         return False
     if node.target in _CASTS and not is_float_cast(node):
         return False
-    tensors = [a for a in node.all_input_nodes]
-    others = [a for a in (*node.args, *node.kwargs.values()) if not isinstance(a, fx.Node)]
-    scalars_ok = all(isinstance(a, (numbers.Number, torch.dtype)) and not isinstance(a, bool) or a is None
-                     for a in others)
-    return bool(tensors) and all(t in members for t in tensors) and scalars_ok
+    tensors = node.all_input_nodes
+    constants = [a for a in (*node.args, *node.kwargs.values()) if not isinstance(a, fx.Node)]
+    constants_ok = all(
+        a is None or (isinstance(a, (numbers.Number, torch.dtype)) and not isinstance(a, bool))
+        for a in constants
+    )
+    return bool(tensors) and all(t in members for t in tensors) and constants_ok
 
 
 def _closed_region(value: fx.Node, out: fx.Node, pure: list[fx.Node]) -> list[fx.Node] | None:

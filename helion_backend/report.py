@@ -8,8 +8,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .vocabulary import dtype_name
-
 _lock = threading.Lock()
 _reports: list[GraphReport] = []
 
@@ -99,5 +97,3 @@ def write_dump(directory: Path, report: GraphReport, before: str, after: str) ->
     (directory / "summary.txt").write_text(report.summary() + "\n")
     (directory / "report.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
 
-
-__all__ = ["GraphReport", "SiteReport", "UnfusedGemm", "get_reports", "clear_reports", "dtype_name"]

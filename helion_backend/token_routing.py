@@ -22,7 +22,10 @@ def make_token_counter(gm: torch.fx.GraphModule, m_exprs: Sequence[str]) -> Call
     ``m_exprs`` are the sites' M as sympy strings over the shape symbols of ``gm``'s inputs (strings,
     since they may come from a cached compile of an identical graph).
     """
-    exprs = [sympy.sympify(e) for e in m_exprs]
+    try:
+        exprs = [sympy.sympify(e) for e in m_exprs]
+    except (sympy.SympifyError, TypeError, ValueError, NameError):  # e.g. torch's FloorDiv in the text
+        return None
     names = sorted({str(s) for e in exprs for s in e.free_symbols})
     where = _locate_symbols(gm, set(names))
     if any(name not in where for name in names):

@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 from ..patterns import operand_kind, val
-from ..vocabulary import ANCHOR_OPS, Anchor, Operand, SUPPORTED_DTYPES
+from ..vocabulary import ANCHOR_OPS, SUPPORTED_DTYPES, Anchor, Operand
 from .context import GemmSite, PassContext, Step
 
 aten = torch.ops.aten
