@@ -1,7 +1,7 @@
 """The ``helion_inductor`` backend: Inductor's ``compile_fx`` with the pass manager installed.
 
 Everything not fused is compiled by Inductor exactly as ``torch.compile`` would; the backend only adds
-its post-grad pass, CUDA graphs on by default for CUDA graphs, and the report.
+its post-grad pass, CUDA graphs on by default for graphs on CUDA devices, and the report.
 """
 
 from __future__ import annotations

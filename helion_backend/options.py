@@ -29,7 +29,7 @@ class BackendOptions:
     rewrite_on_cpu: bool = False
     """Rewrite CPU graphs too (they then run the reference implementation); for tests and inspection."""
     cudagraphs: bool | None = None
-    """CUDA graphs through Inductor's cudagraph trees; None means on for CUDA graphs, off elsewhere."""
+    """CUDA graphs through Inductor's cudagraph trees; None means on when the graph runs on CUDA, off elsewhere."""
     debug_dir: str | None = field(default_factory=lambda: os.environ.get(DEBUG_DIR_ENV) or None)
     """Write per-graph dumps and ``report.json`` here (also set by $HELION_INDUCTOR_DEBUG_DIR)."""
     cache_dir: str = field(default_factory=_default_cache_dir)
