@@ -81,5 +81,3 @@ class PassContext:
     sites: list[GemmSite] = field(default_factory=list)
     # GEMM nodes no rule can anchor on, with the reason (the report's ``unfused_gemms``).
     unanchored: list[tuple[fx.Node, str]] = field(default_factory=list)
-    # False when the backend only reports what it would fuse (CPU without rewrite_on_cpu, cache hits).
-    rewrite: bool = True

@@ -13,6 +13,7 @@ import json
 import logging
 from pathlib import Path
 
+import sympy
 import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -48,20 +49,16 @@ class HelionPassManager(CustomGraphPass):
         self.graph_kind = "unknown"
         self.reports: list[GraphReport] = []  # of the compile under way
         # M expressions of rewritten sites whose token count is symbolic (for the token router).
-        self.dynamic_token_exprs: list = []
+        self.dynamic_token_exprs: list[sympy.Expr] = []
 
     def uuid(self) -> str:
         return self._uuid
 
     def __call__(self, graph: fx.Graph) -> None:
-        self.run(graph, rewrite=True)
-
-    def run(self, graph: fx.Graph, rewrite: bool) -> GraphReport:
-        report = GraphReport(graph=f"graph_{next(_graph_ids):03d}", kind=self.graph_kind,
-                             from_cache=not rewrite)
-        before = _readable(graph)
-        ctx = PassContext(graph=graph, options=self.options, rules=self.rules, report=report,
-                          rewrite=rewrite)
+        report = GraphReport(graph=f"graph_{next(_graph_ids):03d}", kind=self.graph_kind)
+        dump_dirs = self._dump_dirs(report)
+        before = _readable(graph) if dump_dirs else ""
+        ctx = PassContext(graph=graph, options=self.options, rules=self.rules, report=report)
         for stage in PIPELINE:
             stage.run(ctx)
         _fill_report(ctx)
@@ -70,19 +67,24 @@ class HelionPassManager(CustomGraphPass):
         )
         self.reports.append(report)
         record(report)
-        self._emit(report, before, _readable(graph) if rewrite else before)
-        log.info("%s", report.summary())
-        return report
-
-    def _emit(self, report: GraphReport, before: str, after: str) -> None:
-        if self.options.debug_dir:
-            write_dump(Path(self.options.debug_dir) / report.graph, report, before, after)
-        _inductor_debug_dump(report, before, after)
+        after = _readable(graph) if dump_dirs else ""
+        for directory in dump_dirs:
+            write_dump(directory, report, before, after)
         torch._logging.trace_structured(
             "artifact",
             metadata_fn=lambda: {"name": "helion_inductor_report", "encoding": "json"},
             payload_fn=lambda: json.dumps(report.to_json()),
         )
+        log.info("%s", report.summary())
+
+    def _dump_dirs(self, report: GraphReport) -> list[Path]:
+        """Where this graph's dumps go: the debug_dir option, and Inductor's debug folder when
+        TORCH_COMPILE_DEBUG=1 is on."""
+        dirs = [Path(self.options.debug_dir) / report.graph] if self.options.debug_dir else []
+        inductor_dir = _inductor_debug_dir()
+        if inductor_dir is not None:
+            dirs.append(inductor_dir / "helion_inductor")
+        return dirs
 
 
 def _fill_report(ctx: PassContext) -> None:
@@ -121,13 +123,11 @@ def _readable(graph: fx.Graph) -> str:
     return str(graph)
 
 
-def _inductor_debug_dump(report: GraphReport, before: str, after: str) -> None:
-    """With TORCH_COMPILE_DEBUG=1, put the same artifacts in Inductor's debug folder of the graph."""
+def _inductor_debug_dir() -> Path | None:
     from torch._inductor import config
     from torch._inductor.virtualized import V
 
     if not config.trace.enabled:
-        return
+        return None
     path = getattr(V.debug, "_path", None)
-    if path:
-        write_dump(Path(path) / "helion_inductor", report, before, after)
+    return Path(path) if path else None

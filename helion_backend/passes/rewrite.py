@@ -22,7 +22,7 @@ def run(ctx: PassContext) -> None:
         if site.rule is None:
             continue
         site.runs_on, site.reason = placement(site, ctx)
-        if site.runs_on != "inductor" and ctx.rewrite:
+        if site.runs_on != "inductor":
             _replace(ctx.graph, site, ctx.options.max_helion_size)
 
 
