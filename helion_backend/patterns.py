@@ -67,12 +67,12 @@ def next_step(value: fx.Node, n: int) -> Step | None:
 
 def activation_region(value: fx.Node) -> Step | None:
     """The largest closed pointwise region fed only by ``value`` that computes a known activation."""
-    pure = _pure_functions_of(value)
-    dtype = val(value).dtype if val(value) is not None else None
-    for out in reversed(pure):
-        if out.target in _CASTS and val(out).dtype != dtype:
+    if val(value) is None:
+        return None
+    for out in reversed(_pure_functions_of(value)):
+        if out.target in _CASTS and val(out).dtype != val(value).dtype:
             continue  # a cast that changes the dtype is a step of its own, reported as such
-        region = _closed_region(value, out, pure)
+        region = _closed_region(value, out)
         if region is None:
             continue
         name = _fingerprint(value, region)
@@ -119,8 +119,8 @@ def _pointwise_of(node: fx.Node, members: set[fx.Node]) -> bool:
     return bool(tensors) and all(t in members for t in tensors) and constants_ok
 
 
-def _closed_region(value: fx.Node, out: fx.Node, pure: list[fx.Node]) -> list[fx.Node] | None:
-    """Ancestors of ``out`` among ``pure``, if none of them is used outside the region."""
+def _closed_region(value: fx.Node, out: fx.Node) -> list[fx.Node] | None:
+    """``out`` and its ancestors below ``value``, if none but ``out`` is used outside the region."""
     region, todo = {out}, [out]
     while todo:
         for inp in todo.pop().all_input_nodes:
