@@ -40,7 +40,8 @@ class UnfusedGemm:
 class GraphReport:
     graph: str
     kind: str = "unknown"  # "inference" | "forward" | "backward"
-    from_cache: bool = False  # True when Inductor's FX graph cache served the graph: analysis only
+    from_cache: bool = False  # True when Inductor's cache served the graph and this report was saved
+    error: str | None = None  # an analysis pass failed: nothing in the graph was rewritten
     sites: list[SiteReport] = field(default_factory=list)
     unfused_gemms: list[UnfusedGemm] = field(default_factory=list)
 
@@ -53,6 +54,7 @@ class GraphReport:
             graph=data["graph"],
             kind=data.get("kind", "unknown"),
             from_cache=data.get("from_cache", False),
+            error=data.get("error"),
             sites=[SiteReport(**s) for s in data.get("sites", [])],
             unfused_gemms=[UnfusedGemm(**u) for u in data.get("unfused_gemms", [])],
         )
@@ -60,6 +62,8 @@ class GraphReport:
     def summary(self) -> str:
         lines = [f"graph {self.graph} ({self.kind}{', from FX graph cache' if self.from_cache else ''}): "
                  f"{len(self.sites)} fused site(s), {len(self.unfused_gemms)} unfused GEMM(s)"]
+        if self.error:
+            lines.append(f"  error (graph left to Inductor): {self.error}")
         for s in self.sites:
             chain = " -> ".join([*s.prologue, s.anchor_op.split(".")[1], *s.epilogue])
             where = f"{s.runs_on}" + (f" ({s.why})" if s.why else "")

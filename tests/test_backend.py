@@ -155,3 +155,20 @@ def test_debug_env_vars(tmp_path):
     assert list((tmp_path / "dumps").glob("*/report.json"))
     inductor_copies = list((tmp_path / "tcd").rglob("helion_inductor/report.json"))
     assert inductor_copies, sorted(str(p) for p in Path(tmp_path / "tcd").rglob("*"))[:40]
+
+
+def test_a_failing_analysis_pass_leaves_the_graph_to_inductor(monkeypatch, caplog):
+    from helion_backend.passes import match
+
+    def broken(value, n):
+        raise RuntimeError("injected matcher bug")
+
+    monkeypatch.setattr(match, "next_step", broken)
+    x, w, b = randn(4, 32), randn(48, 32), randn(48)
+    fn = lambda x, w, b: F.gelu(F.linear(x, w, b))  # noqa: E731
+    with caplog.at_level("WARNING"):
+        out, reports = compile_run(fn, x, w, b)
+    torch.testing.assert_close(out, fn(x, w, b))
+    (report,) = reports
+    assert report.sites == [] and "injected matcher bug" in report.error
+    assert "left to Inductor" in caplog.text

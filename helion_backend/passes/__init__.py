@@ -1,8 +1,11 @@
 """The backend's FX pass pipeline, run as Inductor's post-grad custom pre pass.
 
-Each pass is one module with ``run(ctx: PassContext) -> None``; the pipeline is their order.
+Each pass is one module with ``run(ctx: PassContext) -> None``. The pipeline is ``ANALYSIS`` then
+``TRANSFORMS``: analysis passes leave the graph untouched, so when one of them fails the graph is
+handed to Inductor unchanged.
 """
 
 from . import cleanup, legality, match, normalize, rewrite
 
-PIPELINE = (normalize, match, legality, rewrite, cleanup)
+ANALYSIS = (normalize, match, legality)
+TRANSFORMS = (rewrite, cleanup)

@@ -23,7 +23,7 @@ from ..options import BackendOptions
 from ..report import GraphReport, SiteReport, UnfusedGemm, dim_for_report, record, write_dump
 from ..rules import builtin_rule_files, load_rules, rules_digest
 from ..vocabulary import dtype_name
-from . import PIPELINE
+from . import ANALYSIS, TRANSFORMS
 from .context import GemmSite, PassContext
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,15 @@ class HelionPassManager(CustomGraphPass):
         dump_dirs = self._dump_dirs(report)
         before = _readable(graph) if dump_dirs else ""
         ctx = PassContext(graph=graph, options=self.options, rules=self.rules, report=report)
-        for stage in PIPELINE:
+        try:
+            for stage in ANALYSIS:
+                stage.run(ctx)
+        except Exception as e:  # a bug of ours must not fail a compile that plain Inductor would pass
+            report.error = f"{stage.__name__.rsplit('.', 1)[-1]}: {type(e).__name__}: {e}"
+            log.warning("helion_inductor: %s failed on %s; the graph is left to Inductor unchanged",
+                        report.error, report.graph, exc_info=True)
+            ctx.sites.clear()
+        for stage in TRANSFORMS:
             stage.run(ctx)
         _fill_report(ctx)
         self.dynamic_token_exprs.extend(
