@@ -172,3 +172,14 @@ def test_a_failing_analysis_pass_leaves_the_graph_to_inductor(monkeypatch, caplo
     (report,) = reports
     assert report.sites == [] and "injected matcher bug" in report.error
     assert "left to Inductor" in caplog.text
+
+
+def test_cudagraphs_default_follows_the_device_and_mode():
+    from helion_backend.backend import _inductor_config
+
+    cpu = [torch.randn(2, 2)]
+    assert _inductor_config(None, BackendOptions.from_user({}), cpu)["triton.cudagraphs"] is False
+    assert _inductor_config(None, BackendOptions.from_user({"cudagraphs": True}), cpu)["triton.cudagraphs"] is True
+    patches = _inductor_config("max-autotune", BackendOptions.from_user({"inductor_config": {"max_autotune": False}}),
+                               cpu)
+    assert patches["max_autotune"] is False  # the user's inductor_config wins over the mode's
