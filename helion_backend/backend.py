@@ -38,7 +38,7 @@ def helion_inductor(
     opts = BackendOptions.from_user(options)
     manager = HelionPassManager(opts)
     patches = _inductor_config(mode, opts, example_inputs)
-    pristine = copy.deepcopy(gm) if _has_symbolic_inputs(example_inputs) else None
+    pristine = _copy_graph_module(gm) if _has_symbolic_inputs(example_inputs) else None
 
     compiled = _compile(gm, example_inputs, manager, patches)
     state = _saved_state(manager, gm, example_inputs, opts)
@@ -140,6 +140,14 @@ def register_backend() -> None:
 
     if BACKEND_NAME not in _BACKENDS:
         register(name=BACKEND_NAME)(helion_inductor)
+
+
+def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A second module over a copy of the graph, sharing parameters and buffers (no tensor is copied):
+    compile_fx runs in-place pre-grad passes, and the plain variant must start from the original."""
+    module = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    module.meta = dict(gm.meta)
+    return module
 
 
 def _has_symbolic_inputs(example_inputs: Sequence[Any]) -> bool:
