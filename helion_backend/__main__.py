@@ -10,9 +10,9 @@ from .rules import RuleError, builtin_rule_files, load_rules
 
 
 def _check_rules(args: argparse.Namespace) -> int:
-    paths = list(args.paths) or builtin_rule_files()
+    builtin = args.with_builtin or not args.paths
     try:
-        rules = load_rules([*(builtin_rule_files() if args.with_builtin else []), *paths])
+        rules = load_rules([*(builtin_rule_files() if builtin else []), *args.paths])
     except RuleError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
