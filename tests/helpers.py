@@ -5,11 +5,21 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 
 import helion_backend
 from helion_backend.report import GraphReport, SiteReport
 
 CPU_REWRITE = {"rewrite_on_cpu": True}
+
+# PyTorch's own definition of each vocabulary activation.
+TORCH_ACTIVATIONS = {
+    "relu": torch.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda v: F.gelu(v, approximate="tanh"),
+    "silu": F.silu,
+    "sigmoid": torch.sigmoid,
+}
 
 
 def compile_run(fn: Callable, *args: Any, options: dict | None = None, **compile_kwargs: Any):

@@ -10,14 +10,10 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import compile_run, sites
+from helpers import TORCH_ACTIVATIONS, compile_run, sites
 
 UNARY = {
-    "relu": torch.relu,
-    "gelu": F.gelu,
-    "gelu_tanh": lambda v: F.gelu(v, approximate="tanh"),
-    "silu": F.silu,
-    "sigmoid": torch.sigmoid,
+    **TORCH_ACTIVATIONS,
     "tanh": torch.tanh,  # not in the vocabulary: must stop the site, not be mis-fused
     "div": lambda v: v / 3.0,
     "clamp": lambda v: v.clamp(-1.0, 1.0),

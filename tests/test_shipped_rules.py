@@ -3,16 +3,10 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import compile_run, randn, rel_err, sites
+from helpers import TORCH_ACTIVATIONS, compile_run, randn, rel_err, sites
 
 M, K, N = 6, 32, 48
-ACTIVATIONS = {
-    "gelu": F.gelu,
-    "gelu_tanh": lambda v: F.gelu(v, approximate="tanh"),
-    "silu": F.silu,
-    "relu": torch.relu,
-    "sigmoid": torch.sigmoid,
-}
+ACTIVATIONS = TORCH_ACTIVATIONS
 
 
 def check(fn, *args, rule, epilogue, op_calls, tol=1e-5):
