@@ -516,7 +516,7 @@ def markdown(metadata: dict, rows: Sequence[dict]) -> str:
     lines += [f"- merged from: `{command}`" for command in metadata.get("merged_from", [])]
     lines += [
         f"- memory bandwidth (the faster of a copy's read + write and a read-only sum): "
-        f"{metadata['copy_bandwidth_gb_s']:.0f} GB/s; "
+        f"{metadata['memory_bandwidth_gb_s']:.0f} GB/s; "
         f"{metadata['dtype']} matmul: {metadata['matmul_tflop_s']:.3g} TFLOP/s",
         f"- cases run: {len(rows)}; skipped by the time budget: {len(metadata['skipped'])}"
         + ("" if metadata["complete"] else " (run incomplete)"),
@@ -550,7 +550,7 @@ def write_results(out_dir: Path, metadata: dict, rows: Sequence[dict]) -> Path:
 
 def restate_floors(row: dict, measured: dict, ceilings: dict) -> dict:
     """``row``'s floors against ``ceilings`` instead of the shard's own, so one table has one floor."""
-    hbm = row["hbm_floor_us"] * measured["copy_bandwidth_gb_s"] / ceilings["copy_bandwidth_gb_s"]
+    hbm = row["hbm_floor_us"] * measured["memory_bandwidth_gb_s"] / ceilings["memory_bandwidth_gb_s"]
     flop = row["flop_floor_us"] * measured["matmul_tflop_s"] / ceilings["matmul_tflop_s"]
     return {**row, "hbm_floor_us": hbm, "flop_floor_us": flop, "floor_us": max(hbm, flop)}
 
@@ -764,7 +764,7 @@ def run_metadata_for(plan: Plan, device: torch.device, ceilings: Ceilings) -> di
         "tolerance": TOLERANCES[plan.dtype],
         "variants": list(plan.variants),
         "timing": dataclasses.asdict(plan.timing),
-        "copy_bandwidth_gb_s": ceilings.copy_bytes_per_s / 1e9,
+        "memory_bandwidth_gb_s": ceilings.memory_bytes_per_s / 1e9,
         "matmul_tflop_s": ceilings.matmul_flop_per_s / 1e12,
         "l2_bytes": l2_cache_bytes(device),
         "skipped": [],
@@ -790,7 +790,7 @@ def run(plan: Plan, out_dir: Path, max_copies: int, budget_s: float) -> Path:
     configure_dynamo()
     ceilings = measure_ceilings(device, plan.dtype)
     metadata = run_metadata_for(plan, device, ceilings)
-    print(f"copy {metadata['copy_bandwidth_gb_s']:.0f} GB/s, matmul {metadata['matmul_tflop_s']:.3g} TFLOP/s")
+    print(f"memory {metadata['memory_bandwidth_gb_s']:.0f} GB/s, matmul {metadata['matmul_tflop_s']:.3g} TFLOP/s")
 
     cases = plan_cases(plan)
     rows: list[dict] = []

@@ -111,11 +111,11 @@ def time_callable_us(step: Step, config: TimingConfig, device: torch.device) -> 
 class Ceilings:
     """Measured rates that turn a kernel's bytes and FLOPs into a floor time."""
 
-    copy_bytes_per_s: float  # streaming bandwidth: the faster of a copy (read + write) and a read-only sum
+    memory_bytes_per_s: float  # streaming bandwidth: the faster of a copy (read + write) and a read-only sum
     matmul_flop_per_s: float  # FLOP/s of one large square matmul in the benchmark dtype
 
     def hbm_floor_us(self, nbytes: int) -> float:
-        return nbytes / self.copy_bytes_per_s * 1e6
+        return nbytes / self.memory_bytes_per_s * 1e6
 
     def flop_floor_us(self, flops: int) -> float:
         return flops / self.matmul_flop_per_s * 1e6
@@ -160,7 +160,7 @@ def measure_ceilings(device: torch.device, dtype: torch.dtype) -> Ceilings:
     on_gpu = device.type == "cuda"
     ceilings = Ceilings(
         # The floor uses the faster of the two ways of streaming memory.
-        copy_bytes_per_s=max(
+        memory_bytes_per_s=max(
             measure_copy_bandwidth(device, GPU_COPY_BYTES if on_gpu else CPU_COPY_BYTES),
             measure_read_bandwidth(device, GPU_COPY_BYTES if on_gpu else CPU_COPY_BYTES),
         ),

@@ -9,12 +9,12 @@ from torch.utils._pytree import tree_leaves
 
 from .. import dispatch
 from ..epilogue import format_epilogue
-from ..ops import gemm_epilogue
+from ..ops import OP_NAMESPACE
 from ..patterns import val
 from .context import GemmSite, PassContext
 
 aten = torch.ops.aten
-FUSED_OP = gemm_epilogue._opoverload
+FUSED_OP = getattr(torch.ops, OP_NAMESPACE).gemm_epilogue.default
 
 
 def run(ctx: PassContext) -> None:
