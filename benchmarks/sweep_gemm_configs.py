@@ -31,21 +31,34 @@ from helion_backend.kernels.gemm import gemm_epilogue_helion
 
 STEPS = ("bias", "gelu_tanh")
 TIMING = TimingConfig(warmup_calls=2, calls_per_graph=20, warmup_replays=3, replays=15)
-# (block_n, block_k, num_warps, num_stages, split_k); block_m is 16 (Helion shrinks it for M < 16).
+# (block_m, block_n, block_k, num_warps, num_stages, split_k, indexing). Helion shrinks block_m to M
+# when M is smaller; "tensor_descriptor" loads through TMA where the tensor allows it (Helion falls
+# back to pointers where it does not).
 CANDIDATES = (
-    (64, 128, 4, 4, 1),
-    (32, 128, 4, 4, 1),
-    (32, 256, 4, 3, 1),
-    (128, 128, 4, 4, 1),
-    (64, 128, 4, 4, 2),
-    (32, 128, 4, 4, 4),
+    (16, 32, 256, 4, 3, 1, "pointer"),
+    (16, 64, 128, 4, 4, 1, "pointer"),
+    (16, 32, 512, 4, 3, 1, "pointer"),
+    (16, 32, 256, 4, 3, 1, "tensor_descriptor"),
+    (16, 64, 256, 4, 3, 1, "tensor_descriptor"),
+    (16, 64, 128, 4, 5, 1, "tensor_descriptor"),
+    (16, 128, 128, 8, 4, 1, "tensor_descriptor"),
+    (16, 32, 256, 4, 3, 2, "pointer"),
+    (16, 64, 256, 4, 3, 2, "tensor_descriptor"),
+    (16, 32, 128, 4, 4, 4, "pointer"),
+    (16, 32, 256, 4, 3, 4, "tensor_descriptor"),
+    (32, 32, 256, 4, 3, 1, "pointer"),
+    (32, 64, 128, 4, 4, 2, "tensor_descriptor"),
 )
+# Splits beyond this many CTAs only add partial sums to write and read back.
+MAX_SPLIT_CTAS = 4 * 132
 
 
-def candidate_configs() -> list[helion.Config]:
+def candidate_configs(m: int, n: int) -> list[helion.Config]:
+    """The candidates that make sense at this M and N (block_m above M and oversplit grids are skipped)."""
     return [
-        helion.Config(block_sizes=[16, bn, bk], num_warps=w, num_stages=s, split_k=sk)
-        for bn, bk, w, s, sk in CANDIDATES
+        helion.Config(block_sizes=[bm, bn, bk], num_warps=w, num_stages=s, split_k=sk, indexing=ix)
+        for bm, bn, bk, w, s, sk, ix in CANDIDATES
+        if (bm <= 16 or m > 16) and (sk == 1 or -(-n // bn) * -(-m // bm) * sk <= MAX_SPLIT_CTAS)
     ]
 
 
@@ -58,7 +71,7 @@ def sweep_key(k: int, n: int, m: int, device: torch.device) -> dict | None:
     xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in range(copies)]
     ref = torch.nn.functional.gelu(xs[0].double() @ ws[0].double().t() + bs[0].double(), approximate="tanh")
     results = []
-    for config in candidate_configs():
+    for config in candidate_configs(m, n):
         def step(i: int, config=config):
             j = i % copies
             return gemm_epilogue_helion(xs[j], ws[j].t(), STEPS, [bs[j]], [], torch.bfloat16, config)
@@ -98,7 +111,7 @@ def _existing_commands(path: Path) -> list[str]:
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--m", default="1,16,32", help="comma list of M values")
+    parser.add_argument("--m", default="1,4,16,32", help="comma list of M values")
     parser.add_argument("--suite", default=",".join(SUITES), help="comma list of suites")
     parser.add_argument("--budget-min", type=float, default=0, help="start no new key after this long")
     parser.add_argument("--out-dir", type=Path, help="also write the table here")

@@ -45,9 +45,11 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def poison_allocator(m: int, n: int) -> None:
-    """Leave NaN-filled free blocks of every output and workspace size in the caching allocator."""
+    """Leave NaN-filled free blocks of every output and split-K workspace size in the caching allocator."""
     for dtype in (torch.float32, torch.bfloat16):
         torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+    for splits in range(2, 9):
+        torch.full((splits, m, n), float("nan"), dtype=torch.float32, device="cuda")
 
 
 def inputs(m, k, n, dtype, layout, steps):
@@ -101,6 +103,12 @@ def test_plain_weight(m, split_k):
 @pytest.mark.parametrize("steps", [(), EVERY_STEP, *((s,) for s in EPILOGUE_STEPS)], ids=str)
 def test_each_step(steps, split_k):
     check(16, K, N, torch.bfloat16, "nk", steps, split_k)
+
+
+@pytest.mark.parametrize("m, k, split_k", [(16, 5120, 4), (3, 1000, 8), (32, 8192, 16)])
+def test_split_k_workspace_has_one_slice_per_split(m, k, split_k):
+    """K = 5120 with split_k = 4 runs three splits of 2048: every slice summed must have been written."""
+    check(m, k, N, torch.bfloat16, "nk", EPILOGUE, split_k)
 
 
 @pytest.mark.parametrize("split_k", [1, 4])

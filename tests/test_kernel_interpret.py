@@ -127,6 +127,13 @@ def test_each_step(steps, split_k):
     assert rel_err(out, ref) <= TOLERANCE[torch.bfloat16]
 
 
+def test_split_k_with_fewer_splits_than_asked():
+    """K = 80 with split_k = 4 runs three splits of 32: the workspace must have exactly three slices."""
+    assert gemm.num_k_splits(80, 4) == 3
+    out, ref = run(6, 80, 40, torch.float32, "nk", ("bias", "silu"), 4)
+    assert rel_err(out, ref) <= TOLERANCE[torch.float32]
+
+
 def test_out_dtype_differs_from_inputs():
     out, ref = run(3, 64, 48, torch.bfloat16, "nk", ("bias", "cast"), 1, out_dtype=torch.float32)
     assert out.dtype == torch.float32

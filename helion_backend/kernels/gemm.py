@@ -5,9 +5,11 @@ Helion keys by its code object plus its closure (a tuple of step names, keyed by
 and scalars are list arguments: Helion passes each element as its own kernel argument, so scalars are
 runtime values (no recompilation per value) and the number of operands is not capped.
 
-Split-K is the ``split_k`` tunable. With ``split_k == 1`` the GEMM kernel applies the epilogue and stores
-the output once. With ``split_k > 1`` it atomically adds fp32 partial sums into a workspace, and
-:func:`epilogue_kernel` applies the epilogue (not linear, so never to partial sums) in a second pass.
+Split-K is the ``split_k`` tunable. The GEMM kernel writes ``out[split, m, n]``: with ``split_k == 1``
+``out`` is the result seen as [1, M, N], and the kernel applies the epilogue and stores it once. With
+``split_k > 1`` each K split stores its fp32 partial sum in its own slice of a workspace (no zero fill, no
+atomics, so three launches become two), and :func:`epilogue_kernel` sums the slices and applies the
+epilogue (not linear, so never to partial sums).
 
 Nothing here autotunes: every call runs an explicit config (given, or from :mod:`.configs`), compiled once
 per argument layout, epilogue and config.
@@ -50,35 +52,42 @@ def gemm_kernel(
     scalars: list[float],
     epilogue: TileEpilogue,
 ) -> None:
-    """``out = epilogue(x @ w)`` when ``split_k == 1``; else ``out += x @ w`` by K split (fp32 ``out``)."""
+    """``out[0] = epilogue(x @ w)`` when ``split_k == 1``; else ``out[s] = x @ w`` over K split ``s``."""
     m, k = x.size()
     n = w.size(1)
     split_k = hl.register_tunable("split_k", PowerOfTwoFragment(1, 64, 1))
+    # Written out here, not called from num_k_splits(): Helion takes a block size only from an inline expression.
     k_per_split = helion.next_power_of_2(helion.cdiv(k, split_k))
     for tile_m, tile_n, tile_split in hl.tile([m, n, k], block_size=[None, None, k_per_split]):
         acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
         for tile_k in hl.tile(tile_split.begin, tile_split.end):
             acc = torch.addmm(acc, x[tile_m, tile_k], w[tile_k, tile_n])
-        # Triton specializes an int argument equal to 1 as a constant, so with split_k == 1 the
-        # atomic branch is not even compiled.
+        # Triton specializes an int argument equal to 1 as a constant, so with split_k == 1 the branch
+        # is resolved at compile time; the tile id is then 0.
         if split_k == 1:
-            out[tile_m, tile_n] = epilogue(acc, operands, scalars, tile_m, tile_n).to(out.dtype)
-        else:
-            hl.atomic_add(out, [tile_m, tile_n], acc)
+            acc = epilogue(acc, operands, scalars, tile_m, tile_n)
+        out[tile_split.id, tile_m, tile_n] = acc.to(out.dtype)
 
 
 @helion.kernel(static_shapes=True, autotune_effort="none")
 def epilogue_kernel(
-    acc: torch.Tensor,
+    partial_sums: torch.Tensor,
     out: torch.Tensor,
     operands: list[torch.Tensor],
     scalars: list[float],
     epilogue: TileEpilogue,
 ) -> None:
-    """``out = epilogue(acc)`` for the fp32 sums that split-K left in ``acc``."""
-    m, n = acc.size()
+    """``out = epilogue(partial_sums.sum(0))`` for the fp32 [splits, M, N] sums that split-K left."""
+    m, n = out.size()
     for tile_m, tile_n in hl.tile([m, n]):
-        out[tile_m, tile_n] = epilogue(acc[tile_m, tile_n], operands, scalars, tile_m, tile_n).to(out.dtype)
+        acc = partial_sums[:, tile_m, tile_n].sum(0)
+        out[tile_m, tile_n] = epilogue(acc, operands, scalars, tile_m, tile_n).to(out.dtype)
+
+
+def num_k_splits(k: int, split_k: int) -> int:
+    """How many K splits ``gemm_kernel`` runs: each spans a power of two, so there may be fewer than
+    ``split_k`` (K = 5120, split_k = 4: splits of 2048, three of them)."""
+    return helion.cdiv(k, helion.next_power_of_2(helion.cdiv(k, split_k)))
 
 
 def tile_epilogue(steps: tuple[str, ...]) -> TileEpilogue:
@@ -193,11 +202,13 @@ def gemm_epilogue_helion(
         config = config_for(m, k, n, x.dtype, x.device)
     epilogue = tile_epilogue(steps)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    if config.get("split_k", 1) == 1:
-        args = (x, w_kn, out, operands, scalars, epilogue)
+    split_k = config.get("split_k", 1)
+    if split_k == 1:
+        args = (x, w_kn, out.unsqueeze(0), operands, scalars, epilogue)
         _compiled(gemm_kernel, args, sig, config)(*args)
         return out
-    partial_sums = torch.zeros((m, n), dtype=torch.float32, device=x.device)
+    # Every split writes its whole slice, so the workspace needs no zero fill.
+    partial_sums = torch.empty((num_k_splits(k, split_k), m, n), dtype=torch.float32, device=x.device)
     gemm_args = (x, w_kn, partial_sums, operands, scalars, epilogue)
     _compiled(gemm_kernel, gemm_args, sig, config)(*gemm_args)
     finish_args = (partial_sums, out, operands, scalars, epilogue)
