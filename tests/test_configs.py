@@ -33,7 +33,7 @@ def test_shipped_h200_table_loads_every_entry():
     assert table, "the shipped H200 table is missing or invalid"
     for (dtype, k, n), entries in table.items():
         assert dtype == "bfloat16" and k > 0 and n > 0
-        assert all(isinstance(c, helion.Config) and c["block_sizes"][0] == 16 for _, c in entries)
+        assert all(isinstance(c, helion.Config) and c["block_sizes"][0] in (16, 32) for _, c in entries)
         assert [m for m, _ in entries] == sorted(m for m, _ in entries)
 
 

@@ -55,7 +55,7 @@ def default_config(m: int, k: int, n: int, dtype: torch.dtype) -> helion.Config:
     k_scale = 2 if dtype == torch.float32 else 1
     if m <= _DECODE_MAX_M:
         # Narrow N tiles and deep K blocks won most decode keys of the H200 sweep (tuned/nvidia_h200.json).
-        block_m, block_n, block_k, num_warps, num_stages = 16, 32, 256 // k_scale, 4, 3
+        block_m, block_n, block_k, num_warps, num_stages = 16, 32, 512 // k_scale, 4, 3
     elif m <= 128:
         block_m, block_n, block_k, num_warps, num_stages = 64, 128, 64 // k_scale, 4, 4
     else:
