@@ -57,7 +57,7 @@ def gemm_kernel(
     n = w.size(1)
     split_k = hl.register_tunable("split_k", PowerOfTwoFragment(1, 64, 1))
     # Written out here, not called from num_k_splits(): Helion takes a block size only from an inline expression.
-    k_per_split = helion.next_power_of_2(helion.cdiv(k, split_k))
+    k_per_split = helion.cdiv(helion.cdiv(k, split_k), 256) * 256
     for tile_m, tile_n, tile_split in hl.tile([m, n, k], block_size=[None, None, k_per_split]):
         acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
         for tile_k in hl.tile(tile_split.begin, tile_split.end):
@@ -85,9 +85,9 @@ def epilogue_kernel(
 
 
 def num_k_splits(k: int, split_k: int) -> int:
-    """How many K splits ``gemm_kernel`` runs: each spans a power of two, so there may be fewer than
-    ``split_k`` (K = 5120, split_k = 4: splits of 2048, three of them)."""
-    return helion.cdiv(k, helion.next_power_of_2(helion.cdiv(k, split_k)))
+    """How many K splits ``gemm_kernel`` runs: each spans whole runs of 256 (so that deep K blocks stay
+    unmasked), so there may be fewer than ``split_k`` (K = 1280, split_k = 4: 512 + 512 + 256)."""
+    return helion.cdiv(k, helion.cdiv(helion.cdiv(k, split_k), 256) * 256)
 
 
 def tile_epilogue(steps: tuple[str, ...]) -> TileEpilogue:
