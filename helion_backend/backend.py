@@ -49,18 +49,18 @@ def helion_inductor(
         with torch._functorch.config.patch(enable_autograd_cache=False):
             compiled = _compile(gm, example_inputs, manager, {**patches, "fx_graph_cache": False})
         state = _saved_state(manager, gm, example_inputs, opts)
-    token_exprs = state["dynamic_token_exprs"] if state else []
-    if pristine is None or not token_exprs:
+    dynamic_sites = state["dynamic_sites"] if state else []
+    if pristine is None or not dynamic_sites:
         return compiled
-    largest_m = make_token_counter(pristine, token_exprs)
-    if largest_m is None:
+    site_ms = make_token_counter(pristine, [expr for expr, _ in dynamic_sites])
+    if site_ms is None:
         log.warning("helion_inductor: cannot locate the token dimension in the inputs; every M runs "
                     "the rewritten graph")
         return compiled
     # Compiled now, inside Dynamo's tracing context, so the variant keeps the symbolic shapes.
     plain_patches = {k: v for k, v in patches.items() if k != "post_grad_custom_pre_pass"}
     plain = compile_fx(pristine, example_inputs, config_patches=plain_patches)
-    return TokenRouter(small=compiled, large=plain, largest_m=largest_m, limit=opts.max_helion_size)
+    return TokenRouter(small=compiled, large=plain, site_ms=site_ms, limits=[limit for _, limit in dynamic_sites])
 
 
 def _compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], manager: HelionPassManager,
@@ -101,7 +101,7 @@ def _saved_state(manager: HelionPassManager, gm: torch.fx.GraphModule,
     path = Path(opts.cache_dir) / "reports" / f"{_graph_key(manager, gm, example_inputs)}.json"
     if manager.reports:
         state = {"reports": [r.to_json() for r in manager.reports],
-                 "dynamic_token_exprs": [str(e) for e in manager.dynamic_token_exprs]}
+                 "dynamic_sites": [[str(expr), limit] for expr, limit in manager.dynamic_sites]}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(state))
@@ -111,7 +111,7 @@ def _saved_state(manager: HelionPassManager, gm: torch.fx.GraphModule,
     try:
         state = json.loads(path.read_text())
         served = [reports.GraphReport.from_json(entry) for entry in state["reports"]]
-        state["dynamic_token_exprs"] = [str(e) for e in state["dynamic_token_exprs"]]
+        state["dynamic_sites"] = [(str(expr), int(limit)) for expr, limit in state["dynamic_sites"]]
     except OSError:
         return None
     except (ValueError, KeyError, TypeError) as e:

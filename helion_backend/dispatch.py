@@ -22,6 +22,33 @@ def helion_unavailable_reason() -> str | None:
     return None
 
 
+def placement_digest() -> str:
+    """What, besides options and rules, decides where a site runs: the GPU config tables (no GPU: none)."""
+    if helion_unavailable_reason() is not None:
+        return ""
+    from .kernels.configs import tables_digest
+
+    return tables_digest()
+
+
+def helion_size_limit(
+    k: int, n: int, dtype: torch.dtype, device: torch.device, max_helion_size: int
+) -> tuple[int, str | None]:
+    """The largest M that runs the Helion kernel at this shape, and why it is below ``max_helion_size``.
+
+    Where the GPU's config table measured cuBLAS + Inductor winning above some M, that M is the limit:
+    the fixed option is only the default crossover.
+    """
+    if device.type != "cuda" or helion_unavailable_reason() is not None:
+        return max_helion_size, None
+    from .kernels.configs import measured_crossover
+
+    crossover = measured_crossover(k, n, dtype, device)
+    if crossover is None or crossover >= max_helion_size:
+        return max_helion_size, None
+    return crossover, f"measured crossover M={crossover} at K={k}, N={n} (config table)"
+
+
 def run_gemm_epilogue(
     x: torch.Tensor,
     weight: torch.Tensor,

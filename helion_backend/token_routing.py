@@ -2,8 +2,8 @@
 
 With a symbolic M, one compiled graph would have to serve decode and prefill alike. Instead the
 backend compiles two variants of the same Dynamo graph: one with the Helion rewrite (for calls whose
-every rewritten GEMM has M <= max_helion_size) and plain Inductor (cuBLAS plus Inductor's own epilogue
-fusion) for the rest. Each call evaluates the sites' M expressions from its
+every rewritten GEMM has M within its Helion limit: max_helion_size, or the measured crossover of its
+shape) and plain Inductor (cuBLAS plus Inductor's own epilogue fusion) for the rest. Each call evaluates the sites' M expressions from its
 actual arguments and runs the matching variant, so a choice made for one M is never replayed for
 another.
 """
@@ -16,8 +16,10 @@ import sympy
 import torch
 
 
-def make_token_counter(gm: torch.fx.GraphModule, m_exprs: Sequence[str]) -> Callable[[Sequence[Any]], int] | None:
-    """A function giving the largest site M for a call's arguments, or None if M cannot be located.
+def make_token_counter(
+    gm: torch.fx.GraphModule, m_exprs: Sequence[str]
+) -> Callable[[Sequence[Any]], list[int]] | None:
+    """A function giving each site's M for a call's arguments, or None if M cannot be located.
 
     ``m_exprs`` are the sites' M as sympy strings over the shape symbols of ``gm``'s inputs (strings,
     since they may come from a cached compile of an identical graph).
@@ -35,11 +37,11 @@ def make_token_counter(gm: torch.fx.GraphModule, m_exprs: Sequence[str]) -> Call
            for e in exprs]
     places = [where[name] for name in names]
 
-    def largest_m(args: Sequence[Any]) -> int:
+    def site_ms(args: Sequence[Any]) -> list[int]:
         values = [int(args[i]) if dim is None else args[i].shape[dim] for i, dim in places]
-        return max(int(f(*values)) for f in fns)
+        return [int(f(*values)) for f in fns]
 
-    return largest_m
+    return site_ms
 
 
 def _locate_symbols(gm: torch.fx.GraphModule, names: set[str]) -> dict[str, tuple[int, int | None]]:
@@ -58,14 +60,15 @@ def _locate_symbols(gm: torch.fx.GraphModule, names: set[str]) -> dict[str, tupl
 
 
 class TokenRouter:
-    """Calls ``small`` when the call's largest site M is at most ``limit``, else ``large``."""
+    """Calls ``small`` when every site's M is within its limit, else ``large``."""
 
     def __init__(self, small: Callable[..., Any], large: Callable[..., Any],
-                 largest_m: Callable[[Sequence[Any]], int], limit: int) -> None:
+                 site_ms: Callable[[Sequence[Any]], list[int]], limits: Sequence[int]) -> None:
         self.small = small
         self.large = large
-        self.largest_m = largest_m
-        self.limit = limit
+        self.site_ms = site_ms
+        self.limits = list(limits)
 
     def __call__(self, *args: Any) -> Any:
-        return (self.small if self.largest_m(args) <= self.limit else self.large)(*args)
+        fits = all(m <= limit for m, limit in zip(self.site_ms(args), self.limits))
+        return (self.small if fits else self.large)(*args)

@@ -15,11 +15,12 @@ CUDA = torch.device("cuda")  # a device object only: nothing runs on it here
 def table_dir(tmp_path, monkeypatch):
     monkeypatch.setattr(configs, "TUNED_DIR", tmp_path)
     monkeypatch.setattr(configs, "gpu_key", lambda device: "test_gpu")
-    configs._table.cache_clear()
-    configs.config_for.cache_clear()
+    caches = (configs._table, configs.config_for, configs.measured_crossover)
+    for cache in caches:
+        cache.cache_clear()
     yield tmp_path
-    configs._table.cache_clear()
-    configs.config_for.cache_clear()
+    for cache in caches:
+        cache.cache_clear()
 
 
 def entry(m, block_n, k=4096, n=12288):
@@ -33,8 +34,8 @@ def test_shipped_h200_table_loads_every_entry():
     assert table, "the shipped H200 table is missing or invalid"
     for (dtype, k, n), entries in table.items():
         assert dtype == "bfloat16" and k > 0 and n > 0
-        assert all(isinstance(c, helion.Config) and c["block_sizes"][0] in (16, 32) for _, c in entries)
-        assert [m for m, _ in entries] == sorted(m for m, _ in entries)
+        assert all(isinstance(e.config, helion.Config) and e.config["block_sizes"][0] in (16, 32) for e in entries)
+        assert [e.m for e in entries] == sorted(e.m for e in entries)
 
 
 def test_lookup_takes_the_smallest_tuned_m_at_or_above(table_dir):
@@ -60,3 +61,21 @@ def test_malformed_table_warns_with_its_path_and_falls_back(table_dir, caplog):
 
 def test_cpu_tensors_never_read_a_gpu_table(table_dir):
     assert configs.config_for(8, 64, 64, torch.float32, torch.device("cpu")) == configs.default_config(8, 64, 64, torch.float32)
+
+
+def test_measured_crossover_is_the_last_win_before_the_first_loss(table_dir):
+    def verdict(m, wins, n=12288):
+        return {**entry(m, 32, n=n), "helion_wins": wins}
+
+    (table_dir / "test_gpu.json").write_text(json.dumps({"entries": [
+        verdict(1, True), verdict(4, True), verdict(16, False), verdict(32, True),  # 32 after a loss: ignored
+        verdict(1, False, n=1024),
+        verdict(1, True, n=4096), verdict(32, True, n=4096),
+    ]}))
+    crossover = {n: configs.measured_crossover(4096, n, torch.bfloat16, CUDA) for n in (12288, 1024, 4096, 8192)}
+    assert crossover == {12288: 4, 1024: 0, 4096: None, 8192: None}
+
+
+def test_table_without_verdicts_has_no_crossover(table_dir):
+    (table_dir / "test_gpu.json").write_text(json.dumps({"entries": [entry(1, 32), entry(32, 64)]}))
+    assert configs.measured_crossover(4096, 12288, torch.bfloat16, CUDA) is None

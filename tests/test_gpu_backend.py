@@ -85,3 +85,34 @@ def test_three_d_mlp_block_matches_eager():
     assert rel_err(out, ref) <= 1e-2
     runs = [s.runs_on for rep in helion_backend.get_reports() for s in rep.sites]
     assert runs == ["helion", "helion"]
+
+
+def test_measured_crossover_lowers_the_helion_limit(monkeypatch, op_calls):
+    """A config table that measured cuBLAS + Inductor winning above M=8 at this shape keeps M=16 with
+    Inductor (static M, decided at compile time) and routes dynamic M=16 calls to the plain variant."""
+    from helion_backend.kernels import configs
+
+    monkeypatch.setattr(configs, "measured_crossover", lambda k, n, dtype, device: 8 if (k, n) == (K, N) else None)
+    # The patched table is invisible to the cache keys: graphs compiled by other tests must not be served.
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    w, b = make_weights()
+    fn = lambda x: F.gelu(F.linear(x, w, b), approximate="tanh")  # noqa: E731
+    for m in (4, 16):
+        torch._dynamo.reset()
+        helion_backend.clear_reports()
+        x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+        out = torch.compile(fn, backend="helion_inductor", dynamic=False)(x)
+        assert rel_err(out, F.gelu(F.linear(x.double(), w.double(), b.double()), approximate="tanh")) <= 1e-2
+        (site,) = [s for rep in helion_backend.get_reports() for s in rep.sites]
+        assert site.runs_on == ("helion" if m <= 8 else "inductor"), site
+        if m > 8:
+            assert "measured crossover M=8" in site.why
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="helion_inductor", dynamic=True)
+    for m, fused in ((4, True), (16, False), (8, True)):
+        calls = op_calls.count
+        x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+        out = compiled(x)
+        assert rel_err(out, F.gelu(F.linear(x.double(), w.double(), b.double()), approximate="tanh")) <= 1e-2
+        assert (op_calls.count > calls) == fused, m

@@ -44,6 +44,16 @@ def test_dynamic_tokens_route_each_call_on_its_m(leading, op_calls):
     assert [s.m for s in report.sites] == ["dynamic"]
 
 
+def test_token_router_needs_every_site_within_its_own_limit():
+    """Two sites with different Helion limits (say a measured crossover of 4 and the default 32): a
+    call runs the rewritten variant only if each site's M is within its own limit."""
+    from helion_backend.token_routing import TokenRouter
+
+    router = TokenRouter(small=lambda *a: "small", large=lambda *a: "large",
+                         site_ms=lambda args: [args[0], 2 * args[0]], limits=[32, 8])
+    assert [router(m) for m in (1, 4, 5, 16, 33)] == ["small", "small", "large", "large", "large"]
+
+
 def test_intermediate_with_two_users_is_not_swallowed(op_calls):
     x, w, b = randn(6, 32), randn(48, 32), randn(48)
 

@@ -8,10 +8,12 @@ to cover every SM; split-K supplies them when N alone does not.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import helion
 import torch
@@ -73,35 +75,70 @@ def gpu_key(device: torch.device) -> str:
     return re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower()).strip("_")
 
 
+def tables_digest() -> str:
+    """sha256 of every GPU table: they decide where sites run, so they are part of the compile's identity."""
+    digest = hashlib.sha256()
+    for path in sorted(TUNED_DIR.glob("*.json")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+class TunedEntry(NamedTuple):
+    """One measured key of a GPU's table: the best config at this M, and whether it beat the fallback."""
+
+    m: int
+    config: helion.Config
+    # Whether Helion beat cuBLAS + Inductor's epilogue at this key; None where the sweep did not time it.
+    helion_wins: bool | None
+
+
 @functools.cache
-def _table(gpu: str) -> dict[tuple[str, int, int], list[tuple[int, helion.Config]]]:
-    """(dtype, K, N) -> [(tuned M, config)] sorted by M; empty if the GPU has no valid table."""
+def _table(gpu: str) -> dict[tuple[str, int, int], list[TunedEntry]]:
+    """(dtype, K, N) -> entries sorted by M; empty if the GPU has no valid table."""
     path = TUNED_DIR / f"{gpu}.json"
     if not path.exists():
         return {}
-    table: dict[tuple[str, int, int], list[tuple[int, helion.Config]]] = {}
+    table: dict[tuple[str, int, int], list[TunedEntry]] = {}
     try:
         for entry in json.loads(path.read_text())["entries"]:
             key = (entry["dtype"], int(entry["k"]), int(entry["n"]))
-            table.setdefault(key, []).append((int(entry["m"]), helion.Config(**entry["config"])))
+            wins = entry.get("helion_wins")
+            tuned = TunedEntry(int(entry["m"]), helion.Config(**entry["config"]), None if wins is None else bool(wins))
+            table.setdefault(key, []).append(tuned)
     except (OSError, ValueError, KeyError, TypeError) as e:
         log.warning("helion_inductor: ignoring the config table %s (%s); using hand-picked configs", path, e)
         return {}
     for entries in table.values():
-        entries.sort(key=lambda e: e[0])
+        entries.sort(key=lambda e: e.m)
     return table
+
+
+def _entries(k: int, n: int, dtype: torch.dtype, device: torch.device) -> list[TunedEntry]:
+    if device.type != "cuda":
+        return []
+    return _table(gpu_key(device)).get((str(dtype).removeprefix("torch."), k, n), [])
 
 
 @functools.cache
 def config_for(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device) -> helion.Config:
     """The tuned config for the smallest tuned M >= m at this (K, N), else the largest tuned M, else
     :func:`default_config`. Memoized: the hot path pays one dict lookup."""
-    if device.type != "cuda":
-        return default_config(m, k, n, dtype)
-    entries = _table(gpu_key(device)).get((str(dtype).removeprefix("torch."), k, n))
+    entries = _entries(k, n, dtype, device)
     if not entries:
         return default_config(m, k, n, dtype)
-    for tuned_m, config in entries:
-        if tuned_m >= m:
-            return config
-    return entries[-1][1]
+    for entry in entries:
+        if entry.m >= m:
+            return entry.config
+    return entries[-1].config
+
+
+@functools.cache
+def measured_crossover(k: int, n: int, dtype: torch.dtype, device: torch.device) -> int | None:
+    """The largest tuned M below the first tuned M at which Helion lost to cuBLAS + Inductor at this
+    (K, N) (0 if it lost at the smallest); None where the table records no loss for the shape."""
+    crossover = 0
+    for entry in _entries(k, n, dtype, device):
+        if entry.helion_wins is False:
+            return crossover
+        crossover = entry.m
+    return None

@@ -57,6 +57,7 @@ class GemmSite:
     reason: str | None = None  # why no rule applies, or why the site is not rewritten
     notes: list[str] = field(default_factory=list)  # what legality cut, and why
     runs_on: str = "inductor"
+    helion_limit: int = 0  # the largest M that runs the Helion kernel (set by rewrite)
     fused: fx.Node | None = None
 
     @property

@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from .. import __version__
+from .. import __version__, dispatch
 from ..options import BackendOptions
 from ..report import GraphReport, SiteReport, UnfusedGemm, dim_for_report, record, write_dump
 from ..rules import builtin_rule_files, load_rules, rules_digest
@@ -41,6 +41,7 @@ class HelionPassManager(CustomGraphPass):
                     "version": __version__,
                     "options": options.fingerprint(),
                     "rules": rules_digest(self.rule_files),
+                    "placement": dispatch.placement_digest(),
                 },
                 sort_keys=True,
                 default=str,
@@ -48,8 +49,8 @@ class HelionPassManager(CustomGraphPass):
         ).hexdigest()
         self.graph_kind = "unknown"
         self.reports: list[GraphReport] = []  # of the compile under way
-        # M expressions of rewritten sites whose token count is symbolic (for the token router).
-        self.dynamic_token_exprs: list[sympy.Expr] = []
+        # (M expression, Helion limit) of rewritten sites whose token count is symbolic (for the router).
+        self.dynamic_sites: list[tuple[sympy.Expr, int]] = []
 
     def uuid(self) -> str:
         return self._uuid
@@ -70,8 +71,10 @@ class HelionPassManager(CustomGraphPass):
         for stage in TRANSFORMS:
             stage.run(ctx)
         _fill_report(ctx)
-        self.dynamic_token_exprs.extend(
-            site.m.node.expr for site in ctx.sites if site.fused is not None and site.static_m is None
+        self.dynamic_sites.extend(
+            (site.m.node.expr, site.helion_limit)
+            for site in ctx.sites
+            if site.fused is not None and site.static_m is None
         )
         self.reports.append(report)
         record(report)

@@ -23,20 +23,26 @@ def run(ctx: PassContext) -> None:
             continue
         site.runs_on, site.reason = placement(site, ctx)
         if site.runs_on != "inductor":
-            _replace(ctx.graph, site, ctx.options.max_helion_size)
+            _replace(ctx.graph, site)
 
 
 def placement(site: GemmSite, ctx: PassContext) -> tuple[str, str | None]:
-    """``(runs_on, why)``: helion on CUDA for small M, the reference where asked, else Inductor."""
-    limit = ctx.options.max_helion_size
+    """``(runs_on, why)``: helion on CUDA for small M, the reference where asked, else Inductor.
+
+    Sets ``site.helion_limit``, the largest M that runs Helion at this shape.
+    """
+    site.helion_limit, lowered_by = dispatch.helion_size_limit(
+        site.k, site.n, site.dtype, site.device, ctx.options.max_helion_size
+    )
+    bound = lowered_by or f"max_helion_size={site.helion_limit}"
     if site.device.type == "cuda":
-        if site.static_m is not None and site.static_m > limit:
-            return "inductor", f"M={site.static_m} > max_helion_size={limit}: cuBLAS + Inductor's epilogue"
+        if site.static_m is not None and site.static_m > site.helion_limit:
+            return "inductor", f"M={site.static_m} > {bound}: cuBLAS + Inductor's epilogue"
         problem = dispatch.helion_unavailable_reason()
         if problem:
             return "reference", problem
         if site.static_m is None:
-            return "helion", f"M is dynamic: Helion when M <= {limit} at run time, cuBLAS above"
+            return "helion", f"M is dynamic: Helion when M <= {site.helion_limit} at run time, cuBLAS above"
         return "helion", None
     if ctx.options.rewrite_on_cpu:
         return "reference", f"no Helion kernel on {site.device.type}: rewrite_on_cpu runs the reference"
@@ -45,7 +51,7 @@ def placement(site: GemmSite, ctx: PassContext) -> tuple[str, str | None]:
     )
 
 
-def _replace(graph: fx.Graph, site: GemmSite, max_helion_m: int) -> None:
+def _replace(graph: fx.Graph, site: GemmSite) -> None:
     steps = site.steps
     out_val = val(site.output)
     args = (
@@ -57,7 +63,7 @@ def _replace(graph: fx.Graph, site: GemmSite, max_helion_m: int) -> None:
         format_epilogue([s.name for s in steps]),
         out_val.dtype,
         site.rule.kernel,
-        max_helion_m,
+        site.helion_limit,
     )
     with graph.inserting_before(site.output):
         fused = _call(graph, FUSED_OP, args)
