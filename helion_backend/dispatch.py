@@ -22,17 +22,17 @@ def helion_unavailable_reason() -> str | None:
     return None
 
 
-def placement_digest() -> str:
+def placement_digest(config_dir: str) -> str:
     """What, besides options and rules, decides where a site runs: the GPU config tables (no GPU: none)."""
     if helion_unavailable_reason() is not None:
         return ""
     from .kernels.configs import tables_digest
 
-    return tables_digest()
+    return tables_digest(config_dir)
 
 
 def helion_size_limit(
-    k: int, n: int, dtype: torch.dtype, device: torch.device, max_helion_size: int
+    k: int, n: int, dtype: torch.dtype, device: torch.device, max_helion_size: int, config_dir: str
 ) -> tuple[int, str | None]:
     """The largest M that runs the Helion kernel at this shape, and why it is below ``max_helion_size``.
 
@@ -43,7 +43,7 @@ def helion_size_limit(
         return max_helion_size, None
     from .kernels.configs import measured_crossover
 
-    crossover = measured_crossover(k, n, dtype, device)
+    crossover = measured_crossover(k, n, dtype, device, config_dir or None)
     if crossover is None or crossover >= max_helion_size:
         return max_helion_size, None
     return crossover, f"measured crossover M={crossover} at K={k}, N={n} (config table)"
@@ -59,6 +59,7 @@ def run_gemm_epilogue(
     out_dtype: torch.dtype,
     kernel: str,
     max_helion_m: int,
+    config_dir: str = "",
 ) -> torch.Tensor:
     steps = parse_epilogue(epilogue)
     w_kn = weight_kn(weight, weight_layout)
@@ -66,7 +67,7 @@ def run_gemm_epilogue(
     if x.is_cuda and x.shape[0] <= max_helion_m and helion_unavailable_reason() is None:
         from .kernels import run_kernel
 
-        return run_kernel(kernel, x, w_kn, steps, flat, scalars, out_dtype)
+        return run_kernel(kernel, x, w_kn, steps, flat, scalars, out_dtype, config_dir or None)
     return reference(x, w_kn, steps, flat, scalars, out_dtype)
 
 

@@ -27,19 +27,21 @@ def gemm_epilogue(
     out_dtype: torch.dtype,
     kernel: str,
     max_helion_m: int,
+    config_dir: str,
 ) -> torch.Tensor:
     """``epilogue(x @ weight)`` stored once in ``out_dtype``; x is [M, K], the result [M, N].
 
     ``weight_layout`` is "kn" for a [K, N] weight and "nk" for an nn.Linear [N, K] weight.
     ``epilogue`` is a comma-joined step list (see :mod:`.epilogue`) reading ``operands`` and
-    ``scalars`` in order. ``kernel`` names the kernel family; rows up to ``max_helion_m`` run it.
+    ``scalars`` in order. ``kernel`` names the kernel family; rows up to ``max_helion_m`` run it,
+    with configs from ``config_dir`` (user-tuned; "" for none) before the shipped ones.
     """
     return dispatch.run_gemm_epilogue(
-        x, weight, weight_layout, operands, scalars, epilogue, out_dtype, kernel, max_helion_m
+        x, weight, weight_layout, operands, scalars, epilogue, out_dtype, kernel, max_helion_m, config_dir
     )
 
 
 @gemm_epilogue.register_fake
-def _(x, weight, weight_layout, operands, scalars, epilogue, out_dtype, kernel, max_helion_m):
+def _(x, weight, weight_layout, operands, scalars, epilogue, out_dtype, kernel, max_helion_m, config_dir):
     n = weight.shape[0] if weight_layout == "nk" else weight.shape[1]
     return x.new_empty((x.shape[0], n), dtype=out_dtype)

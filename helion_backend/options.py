@@ -33,7 +33,7 @@ class BackendOptions:
     debug_dir: str | None = field(default_factory=lambda: os.environ.get(DEBUG_DIR_ENV) or None)
     """Write per-graph dumps and ``report.json`` here (also set by $HELION_INDUCTOR_DEBUG_DIR)."""
     cache_dir: str = field(default_factory=_default_cache_dir)
-    """Where the backend keeps what outlives a process (reports of cached graphs; later, tuned configs)."""
+    """Where the backend keeps what outlives a process: reports of cached graphs, user-tuned configs."""
     inductor_config: Mapping[str, Any] = field(default_factory=dict)
     """Extra ``torch._inductor.config`` patches, applied after the ``mode``'s."""
 
@@ -70,6 +70,11 @@ class BackendOptions:
             raise ValueError("helion_inductor: option 'max_helion_size' must be >= 0")
         if self.cudagraphs not in (None, True, False):
             raise TypeError(f"helion_inductor: option 'cudagraphs' must be a bool, got {self.cudagraphs!r}")
+
+    @property
+    def config_dir(self) -> str:
+        """User-tuned config tables (``<gpu>.json``, the shipped format); they override the shipped ones."""
+        return str(Path(self.cache_dir) / "configs")
 
     def fingerprint(self) -> dict[str, Any]:
         """What of the options changes the rewrite (the debug folder does not)."""

@@ -79,3 +79,25 @@ def test_measured_crossover_is_the_last_win_before_the_first_loss(table_dir):
 def test_table_without_verdicts_has_no_crossover(table_dir):
     (table_dir / "test_gpu.json").write_text(json.dumps({"entries": [entry(1, 32), entry(32, 64)]}))
     assert configs.measured_crossover(4096, 12288, torch.bfloat16, CUDA) is None
+
+
+def test_user_table_overrides_the_shipped_one_m_by_m(table_dir, tmp_path_factory):
+    user_dir = tmp_path_factory.mktemp("user_configs")
+    (table_dir / "test_gpu.json").write_text(json.dumps({"entries": [entry(1, 32), entry(16, 64)]}))
+    (user_dir / "test_gpu.json").write_text(json.dumps({"entries": [entry(16, 128), entry(8, 256)]}))
+    picks = {m: configs.config_for(m, 4096, 12288, torch.bfloat16, CUDA, str(user_dir))["block_sizes"][1]
+             for m in (1, 8, 16)}
+    assert picks == {1: 32, 8: 256, 16: 128}
+    # Without the user's folder, the shipped table alone.
+    assert configs.config_for(16, 4096, 12288, torch.bfloat16, CUDA)["block_sizes"][1] == 64
+
+
+def test_malformed_user_table_warns_and_keeps_the_shipped_one(table_dir, tmp_path_factory, caplog):
+    user_dir = tmp_path_factory.mktemp("user_configs")
+    (table_dir / "test_gpu.json").write_text(json.dumps({"entries": [entry(16, 64)]}))
+    bad = user_dir / "test_gpu.json"
+    bad.write_text("{not json")
+    with caplog.at_level("WARNING"):
+        config = configs.config_for(16, 4096, 12288, torch.bfloat16, CUDA, str(user_dir))
+    assert config["block_sizes"][1] == 64
+    assert str(bad) in caplog.text

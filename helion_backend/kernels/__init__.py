@@ -21,9 +21,11 @@ def run_kernel(
     operands: Sequence[torch.Tensor],
     scalars: Sequence[float],
     out_dtype: torch.dtype,
+    config_dir: str | None = None,
 ) -> torch.Tensor:
-    """Run the ``kernel`` family's Helion implementation with its default config for the shape."""
-    return KERNELS[kernel](x, w_kn, steps, operands, scalars, out_dtype)
+    """Run the ``kernel`` family's Helion implementation with the config tables' pick for the shape
+    (user-tuned ones in ``config_dir`` first)."""
+    return KERNELS[kernel](x, w_kn, steps, operands, scalars, out_dtype, config_dir=config_dir)
 
 
 __all__ = ["KERNELS", "gemm_epilogue_helion", "run_kernel"]

@@ -75,11 +75,13 @@ def gpu_key(device: torch.device) -> str:
     return re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower()).strip("_")
 
 
-def tables_digest() -> str:
-    """sha256 of every GPU table: they decide where sites run, so they are part of the compile's identity."""
+def tables_digest(user_dir: str | None = None) -> str:
+    """sha256 of every table (shipped, then the user's): they decide where sites run, so they are part of
+    the compile's identity."""
     digest = hashlib.sha256()
-    for path in sorted(TUNED_DIR.glob("*.json")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    for directory in (TUNED_DIR, *([Path(user_dir)] if user_dir else [])):
+        for path in sorted(directory.glob("*.json")):
+            digest.update(str(path).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
 
@@ -92,13 +94,14 @@ class TunedEntry(NamedTuple):
     helion_wins: bool | None
 
 
-@functools.cache
-def _table(gpu: str) -> dict[tuple[str, int, int], list[TunedEntry]]:
-    """(dtype, K, N) -> entries sorted by M; empty if the GPU has no valid table."""
-    path = TUNED_DIR / f"{gpu}.json"
+TableKey = tuple[str, int, int]  # (dtype, K, N)
+
+
+def _read_table(path: Path) -> dict[TableKey, list[TunedEntry]]:
+    """One table file; a missing file is empty, a malformed one is skipped with a warning naming it."""
     if not path.exists():
         return {}
-    table: dict[tuple[str, int, int], list[TunedEntry]] = {}
+    table: dict[TableKey, list[TunedEntry]] = {}
     try:
         for entry in json.loads(path.read_text())["entries"]:
             key = (entry["dtype"], int(entry["k"]), int(entry["n"]))
@@ -106,24 +109,35 @@ def _table(gpu: str) -> dict[tuple[str, int, int], list[TunedEntry]]:
             tuned = TunedEntry(int(entry["m"]), helion.Config(**entry["config"]), None if wins is None else bool(wins))
             table.setdefault(key, []).append(tuned)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        log.warning("helion_inductor: ignoring the config table %s (%s); using hand-picked configs", path, e)
+        log.warning("helion_inductor: ignoring the config table %s (%s)", path, e)
         return {}
-    for entries in table.values():
-        entries.sort(key=lambda e: e.m)
     return table
 
 
-def _entries(k: int, n: int, dtype: torch.dtype, device: torch.device) -> list[TunedEntry]:
+@functools.cache
+def _table(gpu: str, user_dir: str | None = None) -> dict[TableKey, list[TunedEntry]]:
+    """(dtype, K, N) -> entries sorted by M: the shipped table, overridden M by M by the user's."""
+    merged: dict[TableKey, dict[int, TunedEntry]] = {}
+    for directory in (TUNED_DIR, *([Path(user_dir)] if user_dir else [])):
+        for key, entries in _read_table(directory / f"{gpu}.json").items():
+            merged.setdefault(key, {}).update((e.m, e) for e in entries)
+    return {key: sorted(by_m.values(), key=lambda e: e.m) for key, by_m in merged.items()}
+
+
+def _entries(k: int, n: int, dtype: torch.dtype, device: torch.device, user_dir: str | None) -> list[TunedEntry]:
     if device.type != "cuda":
         return []
-    return _table(gpu_key(device)).get((str(dtype).removeprefix("torch."), k, n), [])
+    return _table(gpu_key(device), user_dir).get((str(dtype).removeprefix("torch."), k, n), [])
 
 
 @functools.cache
-def config_for(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device) -> helion.Config:
+def config_for(
+    m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, user_dir: str | None = None
+) -> helion.Config:
     """The tuned config for the smallest tuned M >= m at this (K, N), else the largest tuned M, else
-    :func:`default_config`. Memoized: the hot path pays one dict lookup."""
-    entries = _entries(k, n, dtype, device)
+    :func:`default_config`. ``user_dir`` holds user-tuned tables that override the shipped ones.
+    Memoized: the hot path pays one dict lookup (a table written later is read by the next process)."""
+    entries = _entries(k, n, dtype, device, user_dir)
     if not entries:
         return default_config(m, k, n, dtype)
     for entry in entries:
@@ -133,11 +147,13 @@ def config_for(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device)
 
 
 @functools.cache
-def measured_crossover(k: int, n: int, dtype: torch.dtype, device: torch.device) -> int | None:
+def measured_crossover(
+    k: int, n: int, dtype: torch.dtype, device: torch.device, user_dir: str | None = None
+) -> int | None:
     """The largest tuned M below the first tuned M at which Helion lost to cuBLAS + Inductor at this
-    (K, N) (0 if it lost at the smallest); None where the table records no loss for the shape."""
+    (K, N) (0 if it lost at the smallest); None where the tables record no loss for the shape."""
     crossover = 0
-    for entry in _entries(k, n, dtype, device):
+    for entry in _entries(k, n, dtype, device, user_dir):
         if entry.helion_wins is False:
             return crossover
         crossover = entry.m

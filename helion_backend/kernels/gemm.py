@@ -184,11 +184,13 @@ def gemm_epilogue_helion(
     scalars: Sequence[float],
     out_dtype: torch.dtype,
     config: helion.Config | None = None,
+    config_dir: str | None = None,
 ) -> torch.Tensor:
     """``epilogue(x @ w_kn)`` as a contiguous [M, N] ``out_dtype`` tensor, accumulated and finished in fp32.
 
     ``w_kn`` may be any strided [K, N] view (e.g. ``weight.t()`` of an nn.Linear weight); it is read in
-    place. ``config`` defaults to :func:`.configs.config_for`; its ``split_k`` picks one or two passes.
+    place. ``config`` defaults to :func:`.configs.config_for` (user tables in ``config_dir`` first); its
+    ``split_k`` picks one or two passes.
     """
     steps = tuple(steps)
     operands = list(operands)
@@ -199,7 +201,7 @@ def gemm_epilogue_helion(
     _check_signature(sig)
     (m, k), n = x.shape, w_kn.shape[1]
     if config is None:
-        config = config_for(m, k, n, x.dtype, x.device)
+        config = config_for(m, k, n, x.dtype, x.device, config_dir)
     epilogue = tile_epilogue(steps)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     split_k = config.get("split_k", 1)

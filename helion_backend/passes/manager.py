@@ -41,7 +41,9 @@ class HelionPassManager(CustomGraphPass):
                     "version": __version__,
                     "options": options.fingerprint(),
                     "rules": rules_digest(self.rule_files),
-                    "placement": dispatch.placement_digest(),
+                    # The fused op reads user-tuned configs from here; their contents decide placement.
+                    "config_dir": options.config_dir,
+                    "placement": dispatch.placement_digest(options.config_dir),
                 },
                 sort_keys=True,
                 default=str,

@@ -23,7 +23,7 @@ def run(ctx: PassContext) -> None:
             continue
         site.runs_on, site.reason = placement(site, ctx)
         if site.runs_on != "inductor":
-            _replace(ctx.graph, site)
+            _replace(ctx.graph, site, ctx.options.config_dir)
 
 
 def placement(site: GemmSite, ctx: PassContext) -> tuple[str, str | None]:
@@ -32,7 +32,7 @@ def placement(site: GemmSite, ctx: PassContext) -> tuple[str, str | None]:
     Sets ``site.helion_limit``, the largest M that runs Helion at this shape.
     """
     site.helion_limit, lowered_by = dispatch.helion_size_limit(
-        site.k, site.n, site.dtype, site.device, ctx.options.max_helion_size
+        site.k, site.n, site.dtype, site.device, ctx.options.max_helion_size, ctx.options.config_dir
     )
     bound = lowered_by or f"max_helion_size={site.helion_limit}"
     if site.device.type == "cuda":
@@ -51,7 +51,7 @@ def placement(site: GemmSite, ctx: PassContext) -> tuple[str, str | None]:
     )
 
 
-def _replace(graph: fx.Graph, site: GemmSite) -> None:
+def _replace(graph: fx.Graph, site: GemmSite, config_dir: str) -> None:
     steps = site.steps
     out_val = val(site.output)
     args = (
@@ -64,6 +64,7 @@ def _replace(graph: fx.Graph, site: GemmSite) -> None:
         out_val.dtype,
         site.rule.kernel,
         site.helion_limit,
+        config_dir,
     )
     with graph.inserting_before(site.output):
         fused = _call(graph, FUSED_OP, args)
