@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 from typing import Sequence
 
 import torch
 
+from . import report
 from .epilogue import apply_epilogue, operand_kinds, parse_epilogue
 from .vocabulary import Operand
+
+log = logging.getLogger(__name__)
+
+# (site, M) -> why its Helion kernel failed; those calls run the reference from then on.
+_FAILED: dict[tuple[str, int], str] = {}
 
 
 @functools.cache
@@ -60,15 +67,30 @@ def run_gemm_epilogue(
     kernel: str,
     max_helion_m: int,
     config_dir: str = "",
+    site: str = "",
 ) -> torch.Tensor:
     steps = parse_epilogue(epilogue)
     w_kn = weight_kn(weight, weight_layout)
     flat = flatten_operands(operands, steps, w_kn.shape[1])
-    if x.is_cuda and x.shape[0] <= max_helion_m and helion_unavailable_reason() is None:
+    m = x.shape[0]
+    if x.is_cuda and m <= max_helion_m and helion_unavailable_reason() is None and (site, m) not in _FAILED:
         from .kernels import run_kernel
 
-        return run_kernel(kernel, x, w_kn, steps, flat, scalars, out_dtype, config_dir or None)
+        try:
+            return run_kernel(kernel, x, w_kn, steps, flat, scalars, out_dtype, config_dir or None)
+        except Exception as e:  # a kernel that cannot compile or launch must not fail the model
+            _fall_back(site, m, e)
     return reference(x, w_kn, steps, flat, scalars, out_dtype)
+
+
+def _fall_back(site: str, m: int, error: Exception) -> None:
+    """Remember that ``site`` cannot run Helion at this M, warn once, and note it in the site's report."""
+    message = str(error).strip()
+    reason = f"{type(error).__name__}: {message.splitlines()[0] if message else 'no message'}"[:300]
+    _FAILED[(site, m)] = reason
+    log.warning("helion_inductor: site %s (M=%d) falls back to cuBLAS + an unfused epilogue: Helion kernel "
+                "failed (%s)", site or "<unnamed>", m, reason)
+    report.record_fallback(site, f"M={m}: Helion kernel failed ({reason}); ran the reference instead")
 
 
 def reference(

@@ -28,20 +28,22 @@ def gemm_epilogue(
     kernel: str,
     max_helion_m: int,
     config_dir: str,
+    site: str,
 ) -> torch.Tensor:
     """``epilogue(x @ weight)`` stored once in ``out_dtype``; x is [M, K], the result [M, N].
 
     ``weight_layout`` is "kn" for a [K, N] weight and "nk" for an nn.Linear [N, K] weight.
     ``epilogue`` is a comma-joined step list (see :mod:`.epilogue`) reading ``operands`` and
     ``scalars`` in order. ``kernel`` names the kernel family; rows up to ``max_helion_m`` run it,
-    with configs from ``config_dir`` (user-tuned; "" for none) before the shipped ones.
+    with configs from ``config_dir`` (user-tuned; "" for none) before the shipped ones. ``site`` names
+    the site in the report (``graph:anchor``), for the warning if its kernel fails.
     """
     return dispatch.run_gemm_epilogue(
-        x, weight, weight_layout, operands, scalars, epilogue, out_dtype, kernel, max_helion_m, config_dir
+        x, weight, weight_layout, operands, scalars, epilogue, out_dtype, kernel, max_helion_m, config_dir, site
     )
 
 
 @gemm_epilogue.register_fake
-def _(x, weight, weight_layout, operands, scalars, epilogue, out_dtype, kernel, max_helion_m, config_dir):
+def _(x, weight, weight_layout, operands, scalars, epilogue, out_dtype, kernel, max_helion_m, config_dir, site):
     n = weight.shape[0] if weight_layout == "nk" else weight.shape[1]
     return x.new_empty((x.shape[0], n), dtype=out_dtype)

@@ -27,6 +27,8 @@ class SiteReport:
     n: int
     dtype: str
     notes: list[str] = field(default_factory=list)
+    # Run-time events: a Helion kernel that failed to compile or launch, and what ran instead.
+    fallbacks: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -69,6 +71,7 @@ class GraphReport:
             where = f"{s.runs_on}" + (f" ({s.why})" if s.why else "")
             lines.append(f"  [{s.rule}] {s.anchor}: {chain}  m={s.m} k={s.k} n={s.n} {s.dtype} -> {where}")
             lines.extend(f"      note: {note}" for note in s.notes)
+            lines.extend(f"      fallback: {event}" for event in s.fallbacks)
         for u in self.unfused_gemms:
             lines.append(f"  unfused {u.node} ({u.op}): {u.reason}")
         return "\n".join(lines)
@@ -81,6 +84,22 @@ def dim_for_report(m: object) -> int | str:
 def record(report: GraphReport) -> None:
     with _lock:
         _reports.append(report)
+
+
+def site_id(graph: str, anchor: str) -> str:
+    """How the fused op names its site: unique among the reports of a process."""
+    return f"{graph}:{anchor}"
+
+
+def record_fallback(site: str, event: str) -> None:
+    """Note a run-time fallback in the report of ``site`` (a :func:`site_id`), if it is still held."""
+    graph, _, anchor = site.partition(":")
+    with _lock:
+        for report in _reports:
+            if report.graph == graph:
+                for s in report.sites:
+                    if s.anchor == anchor and event not in s.fallbacks:
+                        s.fallbacks.append(event)
 
 
 def get_reports() -> list[GraphReport]:

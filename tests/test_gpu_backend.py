@@ -2,6 +2,7 @@
 
 import copy
 
+import helion
 import pytest
 import torch
 import torch.nn.functional as F
@@ -117,3 +118,33 @@ def test_measured_crossover_lowers_the_helion_limit(monkeypatch, op_calls):
         out = compiled(x)
         assert rel_err(out, F.gelu(F.linear(x.double(), w.double(), b.double()), approximate="tanh")) <= 1e-2
         assert (op_calls.count > calls) == fused, m
+
+
+@pytest.mark.parametrize("fault", ["compile", "bad_config"])
+def test_failing_helion_kernel_falls_back_with_a_warning(fault, monkeypatch, caplog):
+    """A kernel that cannot compile (injected), or a config invalid for the shape, costs the site its
+    fusion, not the model its output: one warning naming the site, a note in the report, right numbers."""
+    from helion_backend import dispatch
+    from helion_backend.kernels import gemm
+
+    if fault == "compile":
+        def broken(*args, **kwargs):
+            raise RuntimeError("injected compile failure")
+
+        monkeypatch.setattr(gemm, "_compiled", broken)
+    else:
+        bad = helion.Config(block_sizes=[16, 24, 100], num_warps=4, num_stages=3, split_k=1)
+        monkeypatch.setattr(gemm, "config_for", lambda *args, **kwargs: bad)
+    monkeypatch.setattr(dispatch, "_FAILED", {})
+    w, b = make_weights()
+    fn = lambda x: F.silu(F.linear(x, w, b))  # noqa: E731
+    compiled = torch.compile(fn, backend="helion_inductor")
+    with caplog.at_level("WARNING", logger="helion_backend.dispatch"):
+        for _ in range(3):  # warm-up, record, replay
+            x = torch.randn(8, K, device="cuda", dtype=torch.bfloat16)
+            out = compiled(x)
+            assert rel_err(out, F.silu(F.linear(x.double(), w.double(), b.double()))) <= 1e-2
+    (site,) = [s for rep in helion_backend.get_reports() for s in rep.sites]
+    assert site.runs_on == "helion" and len(site.fallbacks) == 1, site
+    warnings = [r.getMessage() for r in caplog.records if "falls back" in r.getMessage()]
+    assert len(warnings) == 1 and site.anchor in warnings[0], warnings

@@ -162,3 +162,33 @@ def test_operand_computed_from_the_gemm_stops_the_site():
     # Pretend nothing else reads mm, so only the reachability check can object.
     legal, why = legality._legal_prefix(site, {derived, add}, claimed=set())
     assert legal == [] and "cycle" in why
+
+
+def test_a_failing_rewrite_leaves_the_site_to_inductor(monkeypatch, op_calls):
+    """A bug in the rewrite costs the site its fusion, not the model: the report says why."""
+    from helion_backend.passes import rewrite
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected rewrite failure")
+
+    monkeypatch.setattr(rewrite, "_replace", broken)
+    x, w, b = randn(4, 32), randn(48, 32), randn(48)
+    fn = lambda x, w, b: F.gelu(F.linear(x, w, b))  # noqa: E731
+    out, reports = compile_run(fn, x, w, b)
+    assert rel_err(out, fn(x.double(), w.double(), b.double())) < 1e-5
+    (site,) = sites(reports)
+    assert site.runs_on == "inductor" and "injected rewrite failure" in site.why
+    assert op_calls.count == 0
+
+
+def test_run_time_fallbacks_are_noted_in_the_site_report():
+    import helion_backend
+    from helion_backend import report
+
+    x, w = randn(4, 32), randn(48, 32)
+    _, reports = compile_run(lambda x, w: torch.relu(x @ w.t()), x, w)
+    (site,) = sites(reports)
+    report.record_fallback(report.site_id(reports[0].graph, site.anchor), "M=4: Helion kernel failed (boom)")
+    (site,) = sites(helion_backend.get_reports())
+    assert site.fallbacks == ["M=4: Helion kernel failed (boom)"]
+    assert "fallback: M=4: Helion kernel failed (boom)" in reports[0].summary()

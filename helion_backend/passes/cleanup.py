@@ -6,6 +6,7 @@ from .context import PassContext
 
 
 def run(ctx: PassContext) -> None:
-    if any(site.fused is not None for site in ctx.sites):
+    # Also after a rewrite that failed half-way: what it inserted before failing has no users.
+    if any(site.rule is not None for site in ctx.sites):
         ctx.graph.eliminate_dead_code()
         ctx.graph.lint()

@@ -11,6 +11,7 @@ from .. import dispatch
 from ..epilogue import format_epilogue
 from ..ops import OP_NAMESPACE
 from ..patterns import val
+from ..report import site_id
 from .context import GemmSite, PassContext
 
 aten = torch.ops.aten
@@ -22,8 +23,13 @@ def run(ctx: PassContext) -> None:
         if site.rule is None:
             continue
         site.runs_on, site.reason = placement(site, ctx)
-        if site.runs_on != "inductor":
-            _replace(ctx.graph, site, ctx.options.config_dir)
+        if site.runs_on == "inductor":
+            continue
+        try:
+            _replace(ctx.graph, site, ctx.options.config_dir, site_id(ctx.report.graph, site.anchor.name))
+        except Exception as e:  # leave the site to Inductor: nodes inserted before the failure are dead
+            site.runs_on, site.reason = "inductor", f"rewrite failed ({type(e).__name__}: {e})"
+            site.fused = None
 
 
 def placement(site: GemmSite, ctx: PassContext) -> tuple[str, str | None]:
@@ -51,7 +57,7 @@ def placement(site: GemmSite, ctx: PassContext) -> tuple[str, str | None]:
     )
 
 
-def _replace(graph: fx.Graph, site: GemmSite, config_dir: str) -> None:
+def _replace(graph: fx.Graph, site: GemmSite, config_dir: str, name: str) -> None:
     steps = site.steps
     out_val = val(site.output)
     args = (
@@ -65,6 +71,7 @@ def _replace(graph: fx.Graph, site: GemmSite, config_dir: str) -> None:
         site.rule.kernel,
         site.helion_limit,
         config_dir,
+        name,
     )
     with graph.inserting_before(site.output):
         fused = _call(graph, FUSED_OP, args)
