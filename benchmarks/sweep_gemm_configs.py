@@ -48,7 +48,12 @@ CANDIDATES = (
     (16, 64, 256, 4, 3, 2, "tensor_descriptor"),
     (16, 32, 128, 4, 4, 4, "pointer"),
     (16, 32, 256, 4, 3, 4, "tensor_descriptor"),
+    # M > 16: one M tile instead of two, so the weight is streamed once.
     (32, 32, 256, 4, 3, 1, "pointer"),
+    (32, 32, 512, 4, 3, 1, "pointer"),
+    (32, 64, 256, 4, 3, 1, "tensor_descriptor"),
+    (32, 64, 128, 8, 4, 1, "tensor_descriptor"),
+    (32, 32, 256, 4, 4, 2, "pointer"),
     (32, 64, 128, 4, 4, 2, "tensor_descriptor"),
 )
 # Splits beyond this many CTAs only add partial sums to write and read back.
