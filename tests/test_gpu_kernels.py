@@ -111,6 +111,12 @@ def test_split_k_workspace_has_one_slice_per_split(m, k, split_k):
     check(m, k, N, torch.bfloat16, "nk", EPILOGUE, split_k)
 
 
+def test_one_shape_under_two_split_factors():
+    """The finishing pass shares its config across split factors: each must still sum every slice."""
+    for split_k in (2, 4, 2):
+        check(16, K, N, torch.bfloat16, "nk", EPILOGUE, split_k)
+
+
 @pytest.mark.parametrize("split_k", [1, 4])
 def test_fp32_dots_are_exact(split_k):
     """fp32 inputs must not silently run as TF32 (eager torch.mm does not by default)."""

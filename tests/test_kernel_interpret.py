@@ -135,6 +135,13 @@ def test_split_k_workspace_slices(k, split_k, splits):
     assert rel_err(out, ref) <= TOLERANCE[torch.float32]
 
 
+def test_one_shape_under_two_split_factors():
+    """The finishing pass shares its config across split factors: each must still sum every slice."""
+    for split_k in (2, 4, 2):
+        out, ref = run(4, 1024, 40, torch.float32, "nk", ("bias", "relu"), split_k)
+        assert rel_err(out, ref) <= TOLERANCE[torch.float32], split_k
+
+
 def test_out_dtype_differs_from_inputs():
     out, ref = run(3, 64, 48, torch.bfloat16, "nk", ("bias", "cast"), 1, out_dtype=torch.float32)
     assert out.dtype == torch.float32

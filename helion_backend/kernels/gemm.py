@@ -163,13 +163,15 @@ _COMPILED: dict[Hashable, Callable[..., None]] = {}
 
 
 def _compiled(
-    kernel: helion.Kernel, args: tuple[object, ...], sig: _Signature, config: helion.Config
+    kernel: helion.Kernel, args: tuple[object, ...], sig: _Signature, config: helion.Config, splits: int
 ) -> Callable[..., None]:
     """Compile ``kernel`` for ``args`` under ``config`` once; later calls skip Helion's binding.
 
-    ``compile_config`` compiles exactly the given config and never autotunes.
+    ``compile_config`` compiles exactly the given config and never autotunes. ``splits`` (the number
+    of workspace slices) is part of the key: the finishing pass runs one config for every split-K
+    config, and a kernel compiled for two slices would sum only two of four.
     """
-    key = (kernel.name, sig, config)
+    key = (kernel.name, sig, config, splits)
     run = _COMPILED.get(key)
     if run is None:
         run = _COMPILED[key] = kernel.bind(args).compile_config(config)
@@ -207,12 +209,13 @@ def gemm_epilogue_helion(
     split_k = config.get("split_k", 1)
     if split_k == 1:
         args = (x, w_kn, out.unsqueeze(0), operands, scalars, epilogue)
-        _compiled(gemm_kernel, args, sig, config)(*args)
+        _compiled(gemm_kernel, args, sig, config, 1)(*args)
         return out
     # Every split writes its whole slice, so the workspace needs no zero fill.
-    partial_sums = torch.empty((num_k_splits(k, split_k), m, n), dtype=torch.float32, device=x.device)
+    splits = num_k_splits(k, split_k)
+    partial_sums = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     gemm_args = (x, w_kn, partial_sums, operands, scalars, epilogue)
-    _compiled(gemm_kernel, gemm_args, sig, config)(*gemm_args)
+    _compiled(gemm_kernel, gemm_args, sig, config, splits)(*gemm_args)
     finish_args = (partial_sums, out, operands, scalars, epilogue)
-    _compiled(epilogue_kernel, finish_args, sig, EPILOGUE_CONFIG)(*finish_args)
+    _compiled(epilogue_kernel, finish_args, sig, EPILOGUE_CONFIG, splits)(*finish_args)
     return out
