@@ -1,110 +1,27 @@
-"""Measurement helpers shared by the benchmarks: kernel timing, hardware ceilings, accuracy, metadata.
-
-Timing: on a GPU, the GPU time of a CUDA-graph replay (median over replays), so that host overhead
-(Dynamo guards, Python, launch latency) does not hide kernel differences of a few microseconds; on a
-CPU, a wall-clock median, which is only good enough to check a script end to end.
+"""Measurement helpers shared by the benchmarks: hardware ceilings, plus the package's timing, accuracy and
+metadata helpers (:mod:`helion_backend.timing`, which the tuner uses too), re-exported here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import importlib.metadata
-import platform
 import re
-import shlex
-import statistics
-import sys
-import time
-from collections.abc import Callable
 
 import torch
 
-# A step runs call number ``i`` of a sequence (so that callers can rotate weights or inputs with ``i``)
-# and returns whatever the call returns.
-Step = Callable[[int], object]
-
-
-@dataclasses.dataclass(frozen=True)
-class TimingConfig:
-    """How many calls to warm up, to capture in one graph, and to time."""
-
-    warmup_calls: int = 3
-    calls_per_graph: int = 20
-    warmup_replays: int = 5
-    replays: int = 30
-
-
-@dataclasses.dataclass
-class CapturedCalls:
-    """A CUDA graph of ``calls_per_graph`` steps and what each captured step returned.
-
-    The returned tensors live in the graph's memory pool: every replay overwrites them, which lets
-    a caller check the numbers of the very launches that were timed.
-    """
-
-    graph: torch.cuda.CUDAGraph
-    outputs: list[object]
-
-
-def capture_calls(step: Step, config: TimingConfig) -> CapturedCalls:
-    """Warm ``step`` up on a side stream, then capture ``config.calls_per_graph`` calls into one graph.
-
-    The warm-up runs first so that compilation, autotuning, cuBLAS handle and workspace creation
-    happen outside the capture. A recompilation during capture would launch autotuning work into
-    the graph, so Dynamo is told to raise instead.
-    """
-    side_stream = torch.cuda.Stream()
-    side_stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side_stream):
-        for i in range(config.warmup_calls):
-            step(i)
-    torch.cuda.current_stream().wait_stream(side_stream)
-    torch.cuda.synchronize()
-
-    graph = torch.cuda.CUDAGraph()
-    with torch._dynamo.config.patch(error_on_recompile=True), torch.cuda.graph(graph, stream=side_stream):
-        outputs = [step(i) for i in range(config.calls_per_graph)]
-    torch.cuda.synchronize()
-    return CapturedCalls(graph, outputs)
-
-
-def median_replay_ms(graph: torch.cuda.CUDAGraph, config: TimingConfig) -> float:
-    """Median GPU time of one replay of ``graph`` in milliseconds, each replay timed by CUDA events."""
-    for _ in range(config.warmup_replays):
-        graph.replay()
-    torch.cuda.synchronize()
-    events = [
-        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        for _ in range(config.replays)
-    ]
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events)
-
-
-def time_wallclock_us(step: Step, config: TimingConfig) -> float:
-    """Median wall time of one call in microseconds (CPU fallback: CUDA graphs need a GPU)."""
-    for i in range(config.warmup_calls):
-        step(i)
-    samples = []
-    for _ in range(config.replays):
-        start = time.perf_counter()
-        for i in range(config.calls_per_graph):
-            step(i)
-        samples.append((time.perf_counter() - start) / config.calls_per_graph)
-    return statistics.median(samples) * 1e6
-
-
-def time_callable_us(step: Step, config: TimingConfig, device: torch.device) -> float:
-    """Median time of one call in microseconds: CUDA-graph replay on a GPU, wall clock on a CPU."""
-    if device.type != "cuda":
-        return time_wallclock_us(step, config)
-    captured = capture_calls(step, config)
-    return median_replay_ms(captured.graph, config) * 1e3 / config.calls_per_graph
+from helion_backend.timing import (  # noqa: F401  (re-exported for the benchmark scripts)
+    CapturedCalls,
+    Step,
+    TimingConfig,
+    capture_calls,
+    copies_to_defeat_l2,
+    median_replay_ms,
+    package_version,
+    relative_error,
+    run_metadata,
+    time_callable_us,
+    time_wallclock_us,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,37 +88,8 @@ def measure_ceilings(device: torch.device, dtype: torch.dtype) -> Ceilings:
     return ceilings
 
 
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """Relative Frobenius error ||out - ref|| / ||ref||, computed in float64 (NaN stays NaN)."""
-    ref = ref.double()
-    return (torch.linalg.vector_norm(out.double() - ref) / torch.linalg.vector_norm(ref)).item()
-
-
 def device_tag(device: torch.device) -> str:
     """Canonical file-name tag of the device: ``"NVIDIA H200"`` -> ``"nvidia_h200"``; ``"cpu"`` on a CPU."""
     if device.type != "cuda":
         return device.type
     return re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower()).strip("_")
-
-
-def package_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def run_metadata(device: torch.device) -> dict[str, object]:
-    """What a reader needs to reproduce or compare a result file."""
-    return {
-        "command": shlex.join(sys.orig_argv),
-        "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "triton": package_version("triton"),
-        "helion": package_version("helion"),
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }

@@ -7,7 +7,8 @@ through enough weight copies to defeat the L2, exactly as the benchmark times it
 correct config per (K, N, M) goes to ``helion_backend/kernels/tuned/<gpu>.json`` (and --out-dir),
 with the time of ``torch.compile`` default on the same call and whether Helion beat it
 (``helion_wins``: the dispatch keeps M above the first loss with cuBLAS + Inductor).
-A small fixed candidate list, not Helion's autotuner: a stopgap until the tuning command exists.
+A small fixed candidate list, not Helion's autotuner; ``python -m helion_backend tune`` autotunes the
+shapes a deployment compiled into the user's table instead.
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ import helion
 import torch
 
 from benchmarks.bench_gemm import SUITES
-from benchmarks.common import TimingConfig, relative_error, run_metadata, time_callable_us
+from benchmarks.common import (
+    TimingConfig,
+    copies_to_defeat_l2,
+    relative_error,
+    run_metadata,
+    time_callable_us,
+)
 from helion_backend.kernels import configs
 from helion_backend.kernels.gemm import gemm_epilogue_helion
 
@@ -70,9 +77,7 @@ def candidate_configs(m: int, n: int) -> list[helion.Config]:
 
 
 def sweep_key(k: int, n: int, m: int, device: torch.device) -> dict | None:
-    weight_bytes = k * n * 2
-    l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    copies = max(1, math.ceil(2 * l2 / weight_bytes))
+    copies = copies_to_defeat_l2(k * n * 2, device)
     ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
     bs = [torch.randn(n, device=device, dtype=torch.bfloat16) for _ in range(copies)]
     xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in range(copies)]

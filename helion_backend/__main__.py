@@ -1,4 +1,4 @@
-"""Command line: ``python -m helion_backend check-rules PATH...``."""
+"""Command line: ``python -m helion_backend check-rules PATH...`` and ``... tune MANIFEST``."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Sequence
 
+from . import tuning
 from .rules import RuleError, builtin_rule_files, load_rules
 
 
@@ -31,6 +32,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     check.add_argument("--with-builtin", action="store_true",
                        help="load the shipped rules too, to catch name clashes with them")
     check.set_defaults(func=_check_rules)
+    tune = sub.add_parser("tune", help="autotune the Helion sites of a manifest into the user's table",
+                          description=tuning.DESCRIPTION, epilog=tuning.EPILOG,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    tuning.add_arguments(tune)
+    tune.set_defaults(func=tuning.run_command)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -33,7 +33,7 @@ class BackendOptions:
     debug_dir: str | None = field(default_factory=lambda: os.environ.get(DEBUG_DIR_ENV) or None)
     """Write per-graph dumps and ``report.json`` here (also set by $HELION_INDUCTOR_DEBUG_DIR)."""
     cache_dir: str = field(default_factory=_default_cache_dir)
-    """Where the backend keeps what outlives a process: reports of cached graphs, user-tuned configs."""
+    """What outlives a process: reports of cached graphs, the manifest of Helion sites, user-tuned configs."""
     inductor_config: Mapping[str, Any] = field(default_factory=dict)
     """Extra ``torch._inductor.config`` patches, applied after the ``mode``'s."""
 
@@ -75,6 +75,11 @@ class BackendOptions:
     def config_dir(self) -> str:
         """User-tuned config tables (``<gpu>.json``, the shipped format); they override the shipped ones."""
         return str(Path(self.cache_dir) / "configs")
+
+    @property
+    def manifest_path(self) -> str:
+        """The sites compiles sent to Helion (``manifest.json``), for ``python -m helion_backend tune``."""
+        return str(Path(self.cache_dir) / "manifest.json")
 
     def fingerprint(self) -> dict[str, Any]:
         """What of the options changes the rewrite (the debug folder does not)."""

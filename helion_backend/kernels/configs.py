@@ -1,5 +1,6 @@
 """Helion configs for the GEMM + epilogue kernels: measured ones where the GPU's table has the shape
-(``tuned/<gpu>.json``), hand-picked ones otherwise. Nothing here autotunes.
+(``tuned/<gpu>.json``, and the user's tables that ``python -m helion_backend tune`` writes), hand-picked
+ones otherwise. Nothing here autotunes.
 
 Decode shapes (small M) are bound by reading the weight once, so the aim there is enough tiles in flight
 to cover every SM; split-K supplies them when N alone does not.
@@ -48,6 +49,15 @@ def _split_k(m_tiles: int, n_tiles: int, k: int) -> int:
     ):
         split_k *= 2
     return split_k
+
+
+def split_k_choices(k: int) -> list[int]:
+    """The split-K factors worth trying at this K (for the tuner): powers of two up to the cap that leave
+    every split deep enough, as :func:`default_config` picks from."""
+    choices = [1]
+    while choices[-1] * 2 <= _MAX_SPLIT_K and k // (choices[-1] * 2) >= _MIN_K_PER_SPLIT:
+        choices.append(choices[-1] * 2)
+    return choices
 
 
 @functools.cache  # called on every kernel launch without an explicit config

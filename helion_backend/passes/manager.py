@@ -1,4 +1,5 @@
-"""The pass manager: one ``CustomGraphPass`` that runs the pipeline and reports what it did.
+"""The pass manager: one ``CustomGraphPass`` that runs the pipeline, reports what it did and records the
+sites it sent to Helion in the manifest (:mod:`helion_backend.manifest`, what the tuner reads).
 
 Its ``uuid()`` covers the package version, the options that change the rewrite and the content of
 every rule file, so Inductor's FX graph cache stays on and never serves a graph rewritten under
@@ -19,6 +20,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .. import __version__, dispatch
+from ..manifest import ManifestSite, record_sites
 from ..options import BackendOptions
 from ..report import GraphReport, SiteReport, UnfusedGemm, dim_for_report, record, write_dump
 from ..rules import builtin_rule_files, load_rules, rules_digest
@@ -73,6 +75,7 @@ class HelionPassManager(CustomGraphPass):
         for stage in TRANSFORMS:
             stage.run(ctx)
         _fill_report(ctx)
+        record_sites(Path(self.options.manifest_path), _helion_sites(ctx))
         self.dynamic_sites.extend(
             (site.m.node.expr, site.helion_limit)
             for site in ctx.sites
@@ -109,6 +112,23 @@ def _fill_report(ctx: PassContext) -> None:
     ctx.report.unfused_gemms.extend(
         UnfusedGemm(node=node.name, op=str(node.target), reason=reason) for node, reason in ctx.unanchored
     )
+
+
+def _helion_sites(ctx: PassContext) -> list[ManifestSite]:
+    """The sites this graph sends to Helion, for the tuner's manifest."""
+    return [
+        ManifestSite.declared(
+            kernel=site.rule.kernel,
+            epilogue=[s.name for s in site.steps],
+            dtype=dtype_name(site.dtype),
+            k=site.k,
+            n=site.n,
+            m=site.static_m,
+            helion_limit=site.helion_limit,
+        )
+        for site in ctx.sites
+        if site.runs_on == "helion"
+    ]
 
 
 def _site_report(site: GemmSite) -> SiteReport:

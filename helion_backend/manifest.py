@@ -1,0 +1,182 @@
+"""The compile manifest: the GEMM sites compiles sent to Helion, read by ``python -m helion_backend tune``.
+
+Every compile merges its Helion sites into ``BackendOptions.manifest_path`` (``<cache_dir>/manifest.json``),
+one entry per (kernel, epilogue, dtype, K, N) with every static M seen and, where M was dynamic, the
+largest M the site runs on Helion. The tuner turns those into the keys worth tuning, so a deployment
+tunes the shapes it serves rather than a benchmark's.
+
+Writing never fails a compile: an unwritable cache folder or a corrupt manifest costs a warning, and
+the file is replaced atomically, so a reader never sees half of it. Two processes merging at the same
+instant may lose one's new sites until its next compile (there is no lock across processes).
+
+The file::
+
+    {"version": 1,
+     "sites": [{"kernel": "gemm", "epilogue": ["bias", "gelu_tanh"], "dtype": "bfloat16",
+                "k": 4096, "n": 12288, "m": [1, 8], "dynamic_m_limit": 32}]}
+
+``m`` lists the static token counts compiled; ``dynamic_m_limit`` is null unless the site was also
+compiled with a dynamic M, in which case it is the site's Helion limit (the largest M routed to Helion).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from .jsonfile import write_json_atomic
+from .vocabulary import EPILOGUE_STEPS, KERNEL_FAMILIES, SUPPORTED_DTYPES
+
+log = logging.getLogger(__name__)
+
+MANIFEST_VERSION = 1
+_lock = threading.Lock()  # compiles on several threads of one process merge one at a time
+
+SiteIdentity = tuple[str, tuple[str, ...], str, int, int]  # (kernel, epilogue, dtype, K, N)
+
+
+class ManifestError(ValueError):
+    """A manifest that is missing or cannot be read; the message names the file."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ManifestSite:
+    """One (kernel, epilogue, dtype, K, N) and the token counts it was compiled for."""
+
+    kernel: str
+    epilogue: tuple[str, ...]
+    dtype: str
+    k: int
+    n: int
+    static_m: frozenset[int] = frozenset()
+    # The Helion limit of the site where its M is dynamic (None: only static M was compiled).
+    dynamic_m_limit: int | None = None
+
+    @classmethod
+    def declared(
+        cls, kernel: str, epilogue: Sequence[str], dtype: str, k: int, n: int, m: int | None,
+        helion_limit: int,
+    ) -> ManifestSite:
+        """A site as one compile saw it: a static ``m``, or ``m=None`` (dynamic) up to ``helion_limit``."""
+        if m is None:
+            return cls(kernel, tuple(epilogue), dtype, k, n, dynamic_m_limit=helion_limit)
+        return cls(kernel, tuple(epilogue), dtype, k, n, static_m=frozenset({m}))
+
+    @property
+    def identity(self) -> SiteIdentity:
+        return (self.kernel, self.epilogue, self.dtype, self.k, self.n)
+
+    def merge(self, other: ManifestSite) -> ManifestSite:
+        """Every M either declares; of two dynamic limits the larger (a later table may have moved it)."""
+        assert self.identity == other.identity, (self, other)
+        limits = [limit for limit in (self.dynamic_m_limit, other.dynamic_m_limit) if limit is not None]
+        return dataclasses.replace(
+            self, static_m=self.static_m | other.static_m, dynamic_m_limit=max(limits, default=None)
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kernel": self.kernel, "epilogue": list(self.epilogue), "dtype": self.dtype, "k": self.k,
+                "n": self.n, "m": sorted(self.static_m), "dynamic_m_limit": self.dynamic_m_limit}
+
+    @classmethod
+    def from_json(cls, data: object) -> ManifestSite:
+        """Raises ``ValueError`` saying which field is wrong."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a site must be an object, got {data!r}")
+        missing = sorted({"kernel", "epilogue", "dtype", "k", "n", "m"} - data.keys())
+        if missing:
+            raise ValueError(f"missing field(s) {missing}")
+        epilogue = data["epilogue"]
+        if not (isinstance(epilogue, list) and all(isinstance(s, str) for s in epilogue)
+                and set(epilogue) <= EPILOGUE_STEPS.keys()):
+            raise ValueError(f"'epilogue' must list steps of {sorted(EPILOGUE_STEPS)}, got {epilogue!r}")
+        if data["kernel"] not in KERNEL_FAMILIES:
+            raise ValueError(f"unknown kernel {data['kernel']!r}; valid: {list(KERNEL_FAMILIES)}")
+        if not isinstance(data["dtype"], str) or data["dtype"] not in SUPPORTED_DTYPES:
+            raise ValueError(f"unknown dtype {data['dtype']!r}; valid: {sorted(SUPPORTED_DTYPES)}")
+        if not isinstance(data["m"], list):
+            raise ValueError(f"'m' must be a list of token counts, got {data['m']!r}")
+        limit = data.get("dynamic_m_limit")
+        return cls(
+            kernel=data["kernel"],
+            epilogue=tuple(epilogue),
+            dtype=data["dtype"],
+            k=_positive_int("k", data["k"]),
+            n=_positive_int("n", data["n"]),
+            static_m=frozenset(_positive_int("m", m) for m in data["m"]),
+            dynamic_m_limit=None if limit is None else _positive_int("dynamic_m_limit", limit, minimum=0),
+        )
+
+
+def _positive_int(name: str, value: object, minimum: int = 1) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"'{name}' must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def merge_sites(sites: Iterable[ManifestSite]) -> list[ManifestSite]:
+    """One entry per identity, merged, in a stable order (so an unchanged manifest is not rewritten)."""
+    merged: dict[SiteIdentity, ManifestSite] = {}
+    for site in sites:
+        known = merged.get(site.identity)
+        merged[site.identity] = site if known is None else known.merge(site)
+    return [merged[identity] for identity in sorted(merged)]
+
+
+def _load(path: Path) -> list[ManifestSite] | None:
+    """The sites of ``path``; None when there is no file. Raises ``ManifestError`` naming it."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ManifestError(f"cannot read the manifest {path}: {e}") from e
+    if not (isinstance(data, dict) and data.get("version") == MANIFEST_VERSION
+            and isinstance(data.get("sites"), list)):
+        raise ManifestError(
+            f"{path} is not a manifest of version {MANIFEST_VERSION} (expected {{\"version\": "
+            f"{MANIFEST_VERSION}, \"sites\": [...]}})"
+        )
+    sites = []
+    for i, entry in enumerate(data["sites"]):
+        try:
+            sites.append(ManifestSite.from_json(entry))
+        except ValueError as e:
+            raise ManifestError(f"{path}: site #{i}: {e}") from e
+    return sites
+
+
+def read_manifest(path: Path) -> list[ManifestSite]:
+    """The sites of the manifest at ``path``. Raises ``ManifestError`` naming the file when it is missing or
+    malformed."""
+    sites = _load(path)
+    if sites is None:
+        raise ManifestError(
+            f"no manifest at {path}: compile a model with backend='helion_inductor' on a CUDA device first"
+        )
+    return sites
+
+
+def record_sites(path: Path, sites: Sequence[ManifestSite]) -> None:
+    """Merge ``sites`` into the manifest at ``path``; warn, never raise, when that fails."""
+    if not sites:
+        return
+    with _lock:
+        try:
+            existing = _load(path) or []
+        except ManifestError as e:
+            log.warning("helion_inductor: %s; replacing it", e)
+            existing = []
+        merged = merge_sites([*existing, *sites])
+        if merged == existing:
+            return
+        try:
+            write_json_atomic(path, {"version": MANIFEST_VERSION, "sites": [s.to_json() for s in merged]})
+        except OSError as e:
+            log.warning("helion_inductor: cannot write the manifest %s (%s); the tuner will not see these "
+                        "sites", path, e)

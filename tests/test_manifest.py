@@ -1,0 +1,159 @@
+"""The compile manifest: what compiles record for the tuner, how records merge, and what never fails a compile."""
+
+import json
+
+import pytest
+import torch
+
+from helion_backend import jsonfile
+from helion_backend.manifest import ManifestError, ManifestSite, merge_sites, read_manifest, record_sites
+from helion_backend.options import BackendOptions
+from helion_backend.passes import rewrite
+
+GELU = ("bias", "gelu_tanh")
+
+
+def site(m=None, limit=32, epilogue=GELU, k=4096, n=12288, dtype="bfloat16"):
+    return ManifestSite.declared("gemm", epilogue, dtype, k, n, m=m, helion_limit=limit)
+
+
+def test_manifest_path_is_in_the_cache_dir(tmp_path):
+    options = BackendOptions.from_user({"cache_dir": str(tmp_path)})
+    assert options.manifest_path == str(tmp_path / "manifest.json")
+
+
+def test_static_and_dynamic_declarations_of_one_site_merge():
+    merged = merge_sites([site(m=8), site(m=1), site(m=None, limit=16), site(m=8), site(m=None, limit=4)])
+    assert merged == [ManifestSite("gemm", GELU, "bfloat16", 4096, 12288, frozenset({1, 8}), 16)]
+
+
+def test_sites_differing_in_epilogue_or_shape_stay_apart():
+    merged = merge_sites([site(m=1), site(m=1, epilogue=("bias",)), site(m=1, n=4096), site(m=1, dtype="float16")])
+    assert len(merged) == 4
+
+
+def test_record_writes_then_merges_with_the_existing_file(tmp_path):
+    path = tmp_path / "cache" / "manifest.json"
+    record_sites(path, [site(m=1)])
+    record_sites(path, [site(m=8), site(m=None, limit=16), site(m=1, epilogue=("bias",))])
+    data = json.loads(path.read_text())
+    assert data["version"] == 1
+    assert data["sites"] == [
+        {"kernel": "gemm", "epilogue": ["bias"], "dtype": "bfloat16", "k": 4096, "n": 12288, "m": [1],
+         "dynamic_m_limit": None},
+        {"kernel": "gemm", "epilogue": ["bias", "gelu_tanh"], "dtype": "bfloat16", "k": 4096, "n": 12288,
+         "m": [1, 8], "dynamic_m_limit": 16},
+    ]
+    assert read_manifest(path) == merge_sites([site(m=1), site(m=8), site(m=None, limit=16), site(m=1, epilogue=("bias",))])
+
+
+def test_nothing_new_leaves_the_file_alone(tmp_path, monkeypatch):
+    path = tmp_path / "manifest.json"
+    record_sites(path, [site(m=1), site(m=None)])
+    writes = []
+    monkeypatch.setattr("helion_backend.manifest.write_json_atomic", lambda *args: writes.append(args))
+    record_sites(path, [site(m=1)])
+    record_sites(path, [])
+    assert writes == []
+    record_sites(path, [site(m=2)])
+    assert len(writes) == 1
+
+
+def test_corrupt_manifest_is_replaced_with_a_warning_naming_it(tmp_path, caplog):
+    path = tmp_path / "manifest.json"
+    path.write_text('{"version": 1, "sites": [')
+    with caplog.at_level("WARNING"):
+        record_sites(path, [site(m=4)])
+    assert str(path) in caplog.text and "replacing" in caplog.text
+    assert read_manifest(path) == [site(m=4)]
+
+
+def test_unwritable_cache_dir_warns_and_does_not_raise(tmp_path, caplog):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")
+    path = blocker / "manifest.json"  # its folder cannot be created: works as root too
+    with caplog.at_level("WARNING"):
+        record_sites(path, [site(m=4)])
+    assert "cannot write the manifest" in caplog.text and str(path) in caplog.text
+
+
+def test_a_failed_write_keeps_the_old_manifest_and_leaves_no_temp_file(tmp_path, monkeypatch, caplog):
+    path = tmp_path / "manifest.json"
+    record_sites(path, [site(m=1)])
+    before = path.read_text()
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(jsonfile.json, "dump", disk_full)
+    with caplog.at_level("WARNING"):
+        record_sites(path, [site(m=2)])
+    assert path.read_text() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]
+    assert "No space left" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{not json", "cannot read the manifest"),
+        ('{"version": 2, "sites": []}', "not a manifest of version 1"),
+        ('{"version": 1, "sites": [{"kernel": "gemm"}]}', "site #0: missing field(s)"),
+        ('{"version": 1, "sites": [{"kernel": "gemm", "epilogue": ["geluu"], "dtype": "bfloat16", "k": 8, '
+         '"n": 8, "m": [1]}]}', "site #0: 'epilogue' must list steps"),
+        ('{"version": 1, "sites": [{"kernel": "gemm", "epilogue": [], "dtype": "bfloat16", "k": 8, '
+         '"n": 8, "m": [0]}]}', "site #0: 'm' must be an integer >= 1"),
+        ('{"version": 1, "sites": [{"kernel": "gemm", "epilogue": [], "dtype": ["bfloat16"], "k": 8, '
+         '"n": 8, "m": [1]}]}', "site #0: unknown dtype"),
+    ],
+)
+def test_read_errors_name_the_file_and_the_problem(tmp_path, text, message):
+    path = tmp_path / "manifest.json"
+    path.write_text(text)
+    with pytest.raises(ManifestError) as info:
+        read_manifest(path)
+    assert str(path) in str(info.value) and message in str(info.value)
+
+
+def test_missing_manifest_says_how_to_make_one(tmp_path):
+    with pytest.raises(ManifestError, match="no manifest at .*compile a model"):
+        read_manifest(tmp_path / "manifest.json")
+
+
+# A real compile on the CPU. Inductor's FX graph cache is off so that the pipeline runs in every test.
+def compile_linear_gelu(tmp_path, x: torch.Tensor, **options) -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 32)
+    options = {"rewrite_on_cpu": True, "cache_dir": str(tmp_path), "inductor_config": {"fx_graph_cache": False},
+               **options}
+    with torch.no_grad():
+        torch.compile(lambda x: torch.nn.functional.gelu(linear(x)), backend="helion_inductor", options=options)(x)
+
+
+def test_cpu_compile_records_nothing(tmp_path):
+    """On the CPU sites run the reference, not Helion: there is nothing to tune."""
+    compile_linear_gelu(tmp_path, torch.randn(4, 64))
+    assert not (tmp_path / "manifest.json").exists()
+
+
+@pytest.fixture
+def sites_placed_on_helion(monkeypatch):
+    """Where a CUDA compile would send a site to Helion (the fused op still runs the reference on the CPU)."""
+    placement = rewrite.placement
+
+    def on_helion(site, ctx):
+        placement(site, ctx)  # sets the site's Helion limit
+        return "helion", None
+
+    monkeypatch.setattr(rewrite, "placement", on_helion)
+
+
+def test_compile_records_its_helion_sites(tmp_path, sites_placed_on_helion):
+    compile_linear_gelu(tmp_path, torch.randn(4, 64), max_helion_size=16)
+    x = torch.randn(6, 64)
+    torch._dynamo.mark_dynamic(x, 0)
+    torch._dynamo.reset()
+    compile_linear_gelu(tmp_path, x, max_helion_size=16)
+    assert read_manifest(tmp_path / "manifest.json") == [
+        ManifestSite("gemm", ("bias", "gelu"), "float32", 64, 32, static_m=frozenset({4}), dynamic_m_limit=16)
+    ]
