@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import importlib.util
 import logging
 from typing import Sequence
@@ -91,6 +92,10 @@ def _fall_back(site: str, m: int, error: Exception) -> None:
     log.warning("helion_inductor: site %s (M=%d) falls back to cuBLAS + an unfused epilogue: Helion kernel "
                 "failed (%s)", site or "<unnamed>", m, reason)
     report.record_fallback(site, f"M={m}: Helion kernel failed ({reason}); ran the reference instead")
+    # The failure's traceback holds the kernel call's frames in reference cycles, and with them the
+    # output it had allocated; free it now, not at some later collection, so that CUDA graph trees do
+    # not find an untracked tensor in their memory pool.
+    gc.collect()
 
 
 def reference(

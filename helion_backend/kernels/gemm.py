@@ -174,7 +174,13 @@ def _compiled(
     key = (kernel.name, sig, config, splits)
     run = _COMPILED.get(key)
     if run is None:
-        run = _COMPILED[key] = kernel.bind(args).compile_config(config)
+        try:
+            run = _COMPILED[key] = kernel.bind(args).compile_config(config)
+        except Exception:
+            # Drop the half-built bound kernel Helion cached for these arguments: it must not keep the
+            # call's output alive (under CUDA graph trees that output sits in the graph's memory pool).
+            kernel.reset()
+            raise
     return run
 
 
