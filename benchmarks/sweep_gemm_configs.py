@@ -106,6 +106,7 @@ def sweep_key(k: int, n: int, m: int, device: torch.device) -> dict | None:
 def time_fallback_us(xs: list[torch.Tensor], ws: list[torch.Tensor], bs: list[torch.Tensor],
                      device: torch.device) -> float:
     """What the site runs without Helion: ``torch.compile`` default (cuBLAS plus Inductor's epilogue)."""
+    torch._dynamo.reset()  # one lambda serves every key: past Dynamo's recompile limit it would run eager
     fallback = torch.compile(
         lambda x, w, b: torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b), approximate="tanh"),
         dynamic=False,
