@@ -22,6 +22,8 @@ import ast
 import hashlib
 import operator
 import re
+import reprlib
+import stat
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,13 +53,29 @@ _KEYS = {
     "priority": "integer; higher wins",
     "kernel": "kernel family",
 }
-_MAX_PATTERN_STEPS = 32
+_MAX_FILE_BYTES = 1 << 20
+_MAX_LIST_ENTRIES = 32  # per list key (anchor, epilogue, where, ...)
 _MAX_CONSTRAINT_CHARS = 200
 _MAX_CONSTANT = 1 << 40
 
 
+class _Quote(reprlib.Repr):
+    """Values quoted in messages: bounded in length and depth (a value nested thousands deep has no
+    repr), and no decimal conversion of huge integers (int() refuses more than 4300 digits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxstring = self.maxother = 80
+
+    def repr_int(self, x: int, level: int) -> str:
+        return super().repr_int(x, level) if x.bit_length() <= 256 else f"<an integer of {x.bit_length()} bits>"
+
+
+_QUOTE = _Quote()
+
+
 class RuleError(ValueError):
-    """A rule file is wrong; the message starts with ``path:line:``."""
+    """A rule file is wrong; the message starts with ``path:line:`` (line 0: the file as a whole)."""
 
 
 @dataclass(frozen=True)
@@ -130,11 +148,23 @@ def load_rules(paths: Iterable[str | Path]) -> list[Rule]:
 
 
 def load_rule_file(path: str | Path) -> list[Rule]:
+    """Parse one file. Only a regular file of at most 1 MiB of UTF-8 is read: a FIFO or a device would
+    block or never end, and a huge file would only exhaust memory."""
     path = Path(path)
     try:
-        text = path.read_text()
+        if not stat.S_ISREG(path.stat().st_mode):
+            raise RuleError(f"{path}:0: not a regular file")
+        with path.open("rb") as f:
+            data = f.read(_MAX_FILE_BYTES + 1)
     except OSError as e:
         raise RuleError(f"{path}:0: cannot read rule file: {e.strerror}") from None
+    if len(data) > _MAX_FILE_BYTES:
+        raise RuleError(f"{path}:0: rule file is larger than {_MAX_FILE_BYTES} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise RuleError(f"{path}:{line}: not UTF-8 text: {e.reason}") from None
     return _parse_text(text, str(path))
 
 
@@ -154,14 +184,37 @@ def _parse_text(text: str, path: str) -> list[Rule]:
         line = re.search(r"line (\d+)", str(e))
         where = line.group(1) if line else max(1, len(text.splitlines()))
         raise RuleError(f"{path}:{where}: invalid TOML: {e}") from None
+    except RecursionError:  # tomllib parses nested arrays and inline tables recursively
+        raise RuleError(f"{path}:{_deepest_line(text)}: invalid TOML: values nested too deeply") from None
+    except ValueError as e:  # int() refuses an integer literal of more than 4300 digits
+        digits = re.search(r"[0-9A-Fa-f_]{4000,}", text)
+        line = text.count("\n", 0, digits.start()) + 1 if digits else 1
+        raise RuleError(f"{path}:{line}: invalid TOML: {e}") from None
     locate = _Locator(text, path)
     extra = sorted(set(doc) - {"rule"})
     if extra:
-        raise RuleError(f"{locate.top(extra[0])}: unknown top-level key {extra[0]!r}; a file holds [[rule]] tables")
+        raise RuleError(
+            f"{locate.top(extra[0])}: unknown top-level key {_QUOTE.repr(extra[0])}; a file holds [[rule]] tables"
+        )
     tables = doc.get("rule", [])
     if not isinstance(tables, list) or not tables:
         raise RuleError(f"{path}:1: no [[rule]] tables in the file")
+    for i, table in enumerate(tables):
+        if not isinstance(table, dict):
+            raise RuleError(f"{locate.key(i, None)}: rule #{i + 1} must be a table, got {_QUOTE.repr(table)}")
     return [_parse_rule(table, i, locate) for i, table in enumerate(tables)]
+
+
+def _deepest_line(text: str) -> int:
+    """The line where brackets nest deepest (strings are not told apart: this only names a line)."""
+    depth, deepest, line = 0, 0, 1
+    for number, content in enumerate(text.splitlines(), 1):
+        for char in content:
+            depth += char in "[{"
+            depth -= char in "]}"
+            if depth > deepest:
+                deepest, line = depth, number
+    return line
 
 
 def _parse_rule(table: dict[str, Any], index: int, locate: _Locator) -> Rule:
@@ -170,7 +223,7 @@ def _parse_rule(table: dict[str, Any], index: int, locate: _Locator) -> Rule:
 
     unknown = sorted(set(table) - set(_KEYS))
     if unknown:
-        raise fail(unknown[0], f"unknown key {unknown[0]!r}; valid keys are {sorted(_KEYS)}")
+        raise fail(unknown[0], f"unknown key {_QUOTE.repr(unknown[0])}; valid keys are {sorted(_KEYS)}")
     for required in ("name", "anchor"):
         if required not in table:
             raise fail(None, f"missing required key {required!r}")
@@ -196,7 +249,7 @@ def _parse_rule(table: dict[str, Any], index: int, locate: _Locator) -> Rule:
         raise fail("kernel", f"unknown kernel family {kernel!r}; valid families are {list(KERNEL_FAMILIES)}")
     priority = _typed(table, "priority", int, fail) if "priority" in table else 0
     if abs(priority) > 1_000_000:
-        raise fail("priority", f"priority {priority} is out of range (|priority| <= 1000000)")
+        raise fail("priority", f"priority {_QUOTE.repr(priority)} is out of range (|priority| <= 1000000)")
 
     return Rule(
         name=name,
@@ -215,32 +268,35 @@ def _parse_rule(table: dict[str, Any], index: int, locate: _Locator) -> Rule:
 def _typed(table: dict[str, Any], key: str, typ: type, fail) -> Any:
     value = table[key]
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise fail(key, f"{key!r} must be a {typ.__name__}, got {value!r}")
+        raise fail(key, f"{key!r} must be a {typ.__name__}, got {_QUOTE.repr(value)}")
     return value
 
 
 def _string_list(table: dict[str, Any], key: str, fail) -> list[str]:
     value = table.get(key, [])
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise fail(key, f"{key!r} must be a list of strings, got {value!r}")
+        raise fail(key, f"{key!r} must be a list of strings, got {_QUOTE.repr(value)}")
+    if len(value) > _MAX_LIST_ENTRIES:
+        raise fail(key, f"{key!r} has {len(value)} entries; at most {_MAX_LIST_ENTRIES} are allowed")
     return value
 
 
 def _patterns(table: dict[str, Any], key: str, vocabulary: dict, fail) -> tuple[StepPattern, ...]:
-    texts = _string_list(table, key, fail)
-    if len(texts) > _MAX_PATTERN_STEPS:
-        raise fail(key, f"{key!r} has {len(texts)} entries; at most {_MAX_PATTERN_STEPS} are allowed")
     patterns = []
-    for text in texts:
-        match = re.fullmatch(r"\s*([A-Za-z0-9_|\s]+?)\s*([?*]?)\s*", text)
-        if not match:
-            raise fail(key, f"cannot parse step pattern {text!r}; write e.g. 'bias?' or 'gelu|silu'")
-        choices = frozenset(c.strip() for c in match.group(1).split("|"))
-        unknown = sorted(c for c in choices if c not in vocabulary)
+    for text in _string_list(table, key, fail):
+        # Split by hand, not with a regular expression: one whose parts all match whitespace takes cubic
+        # time to reject a long run of spaces.
+        body = text.strip()
+        suffix = body[-1:] if body.endswith(("?", "*")) else ""
+        names = [c.strip() for c in body[: len(body) - len(suffix)].split("|")]
+        if not all(re.fullmatch(r"[A-Za-z0-9_]+", c) for c in names):
+            raise fail(key, f"cannot parse step pattern {_QUOTE.repr(text)}; write e.g. 'bias?' or 'gelu|silu'")
+        unknown = sorted(c for c in names if c not in vocabulary)
         if unknown:
             valid = sorted(vocabulary) or "none yet"
-            raise fail(key, f"unknown {key} step {unknown[0]!r} in {text!r}; valid steps are {valid}")
-        patterns.append(StepPattern(choices, optional=match.group(2) == "?", repeat=match.group(2) == "*"))
+            quoted = _QUOTE.repr(text)
+            raise fail(key, f"unknown {key} step {_QUOTE.repr(unknown[0])} in {quoted}; valid steps are {valid}")
+        patterns.append(StepPattern(frozenset(names), optional=suffix == "?", repeat=suffix == "*"))
     return tuple(patterns)
 
 

@@ -12,6 +12,13 @@ from helion_backend.report import GraphReport, SiteReport
 
 CPU_REWRITE = {"rewrite_on_cpu": True}
 
+# Where device-generic tests run, and how: on CUDA with the default options (the Helion kernels run),
+# elsewhere with the CPU rewrite (the reference implementation runs).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DEVICE_OPTIONS: dict[str, object] = {} if DEVICE.type == "cuda" else dict(CPU_REWRITE)
+# Relative error against float64 that each input dtype may reach (as in eager: one rounding per op).
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
 # PyTorch's own definition of each vocabulary activation.
 TORCH_ACTIVATIONS = {
     "relu": torch.relu,

@@ -1,79 +1,485 @@
-"""Seeded random programs around a GEMM: compiled with the rewrite on the CPU, compared with float64.
+"""Differential fuzzing: seeded random programs around GEMMs, compiled with the backend, checked against
+float64 and eager.
 
-A small differential check of the whole pipeline (matcher, legality, rewrite, reference op): chains of
-steps inside and outside the vocabulary, both weight layouts, 2-D and 3-D activations, shared
-intermediates, dtype promotion. Each program must match float64 as closely as eager does.
+A program is one GEMM (``F.linear`` with or without bias, ``x @ w``, ``x @ w.t()``, ``torch.addmm``)
+on a 2-D or 3-D activation, followed by a random chain of pointwise steps inside the vocabulary
+(activations in their library and hand-written forms, bias, residual, scale, mul, casts) and outside it
+(tanh, clamps, ``torch.where``, sub, add with alpha, row and column broadcasts), where intermediates
+may also be returned. Weights are contiguous, transposed or sliced views; activations contiguous or
+views of bigger tensors. Several programs share one compiled graph (Inductor's C++ compile is paid once
+per batch, and sites must not disturb each other); a batch is static, dynamic through
+``torch._dynamo.mark_dynamic`` on the token dimension, or compiled with ``dynamic=True`` (weights are
+then module parameters, whose shapes stay static), and a dynamic batch runs at two token counts.
+
+Every output must have eager's dtype and shape and be as close to float64 as eager is; every GEMM the
+rules can anchor must be a site, which fuses at least the first step when that step is in the
+vocabulary; and on the CPU the fused op must run once per rewritten site on each call routed to the
+rewritten graph, so the numerics check covers it (on CUDA a CUDA-graph replay never reaches Python,
+so there the calls are not counted). No program adds with alpha straight onto a 2-D mm: plain
+Inductor miscompiles that (see test_add_with_alpha_on_a_gemm_left_to_inductor).
+
+On CUDA the backend runs with its default options (Helion kernels), elsewhere with ``rewrite_on_cpu``.
+``HELION_INDUCTOR_FUZZ_PROGRAMS`` sets how many programs run (default 300), ``HELION_INDUCTOR_FUZZ_SEED``
+the seed they are drawn from (default 0); a failure names the batch and each program's recipe.
 """
 
+from __future__ import annotations
+
+import math
+import os
 import random
+from dataclasses import dataclass, field
+from typing import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import TORCH_ACTIVATIONS, compile_run, sites
+from helpers import DEVICE, DEVICE_OPTIONS, TOLERANCE, rel_err, sites
 
-UNARY = {
-    **TORCH_ACTIVATIONS,
-    "tanh": torch.tanh,  # not in the vocabulary: must stop the site, not be mis-fused
-    "div": lambda v: v / 3.0,
-    "clamp": lambda v: v.clamp(-1.0, 1.0),
-    "square": lambda v: v * v,
+import helion_backend
+from helion_backend.options import BackendOptions
+from helion_backend.report import GraphReport, SiteReport
+from helion_backend.rules import builtin_rule_files, load_rules
+from helion_backend.vocabulary import ACTIVATIONS
+
+NUM_PROGRAMS = int(os.environ.get("HELION_INDUCTOR_FUZZ_PROGRAMS", "300"))
+BASE_SEED = int(os.environ.get("HELION_INDUCTOR_FUZZ_SEED", "0"))
+BATCH_SIZE = 5  # programs per compiled graph: fewer compiles, yet a failure report stays readable
+MAX_HELION_SIZE = BackendOptions().max_helion_size
+DTYPES = tuple(TOLERANCE)
+
+# GEMM forms: name -> (weight stored as "nk" or "kn", reads the GEMM bias b, reads the [M, N] input a).
+GEMMS = {
+    "linear": ("nk", False, False),
+    "linear_bias": ("nk", True, False),
+    "matmul": ("kn", False, False),
+    "matmul_t": ("nk", False, False),
+    "addmm": ("kn", True, False),
+    "addmm_t": ("nk", True, False),
+    "addmm_full": ("kn", False, True),  # a full [M, N] input: a leading residual step
+    "addmm_scaled": ("kn", True, False),  # beta/alpha != 1: no rule anchors it
 }
-STEPS = ("unary", "bias", "residual", "mul", "scale", "shared", "cast")
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+TWO_D_ONLY = {"addmm", "addmm_t", "addmm_full", "addmm_scaled"}
+UNANCHORED = {"addmm_scaled"}
+SHIPPED_RULES = load_rules(builtin_rule_files())
+
+# Pointwise steps: name -> the vocabulary step it is, or None outside the vocabulary. Several spell
+# one activation differently (the matcher identifies activations by meaning).
+STEPS: dict[str, str | None] = {
+    "bias": "bias", "bias_first": "bias", "residual": "residual", "residual_first": "residual",
+    "mul": "mul", "mul_first": "mul", "scale": "scale", "scale_first": "scale",
+    "relu": "relu", "relu_clamp_min": "relu", "gelu": "gelu", "gelu_tanh": "gelu_tanh",
+    "silu": "silu", "silu_sigmoid_mul": "silu", "silu_exp_div": "silu",
+    "sigmoid": "sigmoid", "sigmoid_exp": "sigmoid", "cast": "cast",
+    "tanh": None, "clamp": None, "clamp_min_neg": None, "leaky_where": None, "mask_where": None,
+    "sub": None, "add_alpha": None, "row_mul": None, "div": None, "col_add": None,
+}
+# Not steps: the running value becomes an output too, as is or through another op.
+SHARE = ("return", "shared")
+TOKEN_INPUTS = ("x", "a", "r", "q", "col", "mask")
+STATIC_INPUTS = ("w", "b", "e")
 
 
-def random_program(seed: int):
-    rng = random.Random(seed)
-    dtype = rng.choice(list(TOLERANCE))
-    m, k, n = rng.choice([1, 3, 8]), rng.choice([16, 24]), rng.choice([8, 32])
-    lead = rng.choice([(), (2,)])
-    layout = rng.choice(["linear", "kn", "kn_strided"])
-    gen = torch.Generator().manual_seed(seed)
+@dataclass
+class Program:
+    """One GEMM and its pointwise chain; ``forward`` runs it eagerly, compiled, or in float64."""
 
-    def randn(*shape, dt=dtype):
-        return torch.randn(*shape, generator=gen).to(dt)
+    seed: int
+    dtype: torch.dtype
+    gemm: str
+    weight_view: str  # "contiguous" | "transposed" | "sliced": how the weight sits in memory
+    x_view: str  # "contiguous" | "sliced" | "transposed" | "strided"
+    lead: tuple[int, ...]  # () for a 2-D activation, (B,) for [B, S, K]
+    k: int
+    n: int
+    operand_dtype: torch.dtype  # of the epilogue's bias, residual and mul operands
+    plan: list[str]  # step names, "cast:<dtype>" for casts, and SHARE entries
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    w = randn(n, k) if layout == "linear" else randn(k, n) if layout == "kn" else randn(n, k).t()
-    args = (randn(*lead, m, k), w, randn(n, dt=rng.choice([dtype, torch.float32])), randn(*lead, m, n))
-    plan = [(rng.choice(STEPS), rng.choice(sorted(UNARY))) for _ in range(rng.randint(0, 4))]
+    def describe(self) -> str:
+        return (f"seed={self.seed} {self.gemm}[{self.weight_view}] x[{self.x_view}] lead={self.lead} "
+                f"k={self.k} n={self.n} {self.dtype} operands={self.operand_dtype} plan={self.plan}")
 
-    def program(x, w, b, r):
-        h = F.linear(x, w) if layout == "linear" else x @ w
-        extra = []
-        for step, unary in plan:
-            if step == "unary":
-                h = UNARY[unary](h)
-            elif step == "bias":
-                h = h + b
-            elif step == "residual":
-                h = h + r
-            elif step == "mul":
-                h = h * r
-            elif step == "scale":
-                h = h * 0.75
-            elif step == "shared":
-                extra.append(h * 2.0)  # a second user of the running value
+    @property
+    def num_outputs(self) -> int:
+        return 1 + sum(entry in SHARE for entry in self.plan)
+
+    @property
+    def tolerance(self) -> float:
+        dtypes = [self.dtype] + [_dtype(e) for e in self.plan if e.startswith("cast:")]
+        return max(TOLERANCE[d] for d in dtypes)
+
+    def tokens_inputs(self, tokens: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+        """Inputs with the token dimension, for a call with ``tokens`` rows (per leading batch)."""
+        shape = (*self.lead, tokens)
+
+        def randn(*size: int, dtype: torch.dtype = self.operand_dtype) -> torch.Tensor:
+            return torch.randn(*size, generator=gen, device=DEVICE).to(dtype)
+
+        k, dt = self.k, self.dtype
+        if self.x_view == "sliced":
+            x = randn(*shape, k + 8, dtype=dt)[..., :k]
+        elif self.x_view == "transposed" and self.lead:
+            x = randn(tokens, *self.lead, k, dtype=dt).transpose(0, 1)
+        elif self.x_view == "transposed":
+            x = randn(k, tokens, dtype=dt).t()
+        elif self.x_view == "strided":
+            x = randn(*self.lead, 2 * tokens, k, dtype=dt)[..., ::2, :]
+        else:
+            x = randn(*shape, k, dtype=dt)
+        return {
+            "x": x,
+            "a": randn(*shape, self.n, dtype=dt),
+            "r": randn(*shape, self.n),
+            "q": randn(*shape, self.n),
+            "col": randn(*shape, 1),
+            "mask": torch.rand(*shape, self.n, generator=gen, device=DEVICE) < 0.5,
+        }
+
+    def forward(self, t: dict[str, torch.Tensor], reference: bool) -> list[torch.Tensor]:
+        """The program; ``reference`` keeps float64 throughout (casts become no-ops)."""
+        x, w, b = t["x"], t["w"], t["b"]
+        gemm = self.gemm
+        if gemm == "linear":
+            h = F.linear(x, w)
+        elif gemm == "linear_bias":
+            h = F.linear(x, w, b)
+        elif gemm == "matmul":
+            h = x @ w
+        elif gemm == "matmul_t":
+            h = x @ w.t()
+        elif gemm == "addmm":
+            h = torch.addmm(b, x, w)
+        elif gemm == "addmm_t":
+            h = torch.addmm(b, x, w.t())
+        elif gemm == "addmm_full":
+            h = torch.addmm(t["a"], x, w)
+        else:
+            h = torch.addmm(b, x, w, beta=0.5, alpha=2.0)
+        outputs = []
+        for entry in self.plan:
+            if entry == "return":
+                outputs.append(h)
+            elif entry == "shared":
+                outputs.append(h * 2.0)
+            elif entry.startswith("cast:"):
+                h = h if reference else h.to(_dtype(entry))
             else:
-                h = h.float()
-        return (h, *extra)
-
-    return program, args, dtype
+                h = _POINTWISE[entry](h, t)
+        return [h, *outputs]
 
 
-def rel_err(a, ref):
-    return ((a.double() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+def _dtype(entry: str) -> torch.dtype:
+    return getattr(torch, entry.split(":")[1])
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_random_program_matches_float64_like_eager(seed, op_calls):
-    program, args, dtype = random_program(seed)
-    out, reports = compile_run(program, *args)
-    reference = program(*(a.double() for a in args))
-    eager = program(*args)
-    assert len(out) == len(reference)
-    for got, ref, eag in zip(out, reference, eager):
-        assert got.dtype == eag.dtype and got.shape == eag.shape
-        assert rel_err(got, ref) <= max(TOLERANCE[dtype], 3 * rel_err(eag, ref)), (seed, reports[0].summary())
-    # Every GEMM in these programs is a site, and every site runs the fused op.
-    assert len(sites(reports)) == 1 and op_calls.count == 1
+_POINTWISE: dict[str, Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]] = {
+    "bias": lambda h, t: h + t["e"],
+    "bias_first": lambda h, t: t["e"] + h,
+    "residual": lambda h, t: h + t["r"],
+    "residual_first": lambda h, t: t["r"] + h,
+    "mul": lambda h, t: h * t["q"],
+    "mul_first": lambda h, t: t["q"] * h,
+    "scale": lambda h, t: h * 0.75,
+    "scale_first": lambda h, t: -1.5 * h,
+    "relu": lambda h, t: torch.relu(h),
+    "relu_clamp_min": lambda h, t: h.clamp_min(0.0),
+    "gelu": lambda h, t: F.gelu(h),
+    "gelu_tanh": lambda h, t: F.gelu(h, approximate="tanh"),
+    "silu": lambda h, t: F.silu(h),
+    "silu_sigmoid_mul": lambda h, t: h * torch.sigmoid(h),
+    "silu_exp_div": lambda h, t: h / (1.0 + torch.exp(-h)),
+    "sigmoid": lambda h, t: torch.sigmoid(h),
+    "sigmoid_exp": lambda h, t: 1.0 / (1.0 + torch.exp(-h)),
+    "tanh": lambda h, t: torch.tanh(h),
+    "clamp": lambda h, t: h.clamp(-1.0, 1.0),
+    "clamp_min_neg": lambda h, t: h.clamp_min(-0.5),
+    "leaky_where": lambda h, t: torch.where(h > 0, h, 0.1 * h),
+    "mask_where": lambda h, t: torch.where(t["mask"], h, t["r"]),
+    "sub": lambda h, t: h - t["r"],
+    "add_alpha": lambda h, t: torch.add(h, t["r"], alpha=0.5),
+    "row_mul": lambda h, t: h * t["e"],
+    "div": lambda h, t: h / 3.0,
+    "col_add": lambda h, t: h + t["col"],
+}
+assert set(_POINTWISE) | {"cast"} == set(STEPS)
+
+
+def random_program(seed: int, n: int) -> Program:
+    """The program of ``seed``, with output width ``n`` (the batch keeps widths distinct)."""
+    rng = random.Random(seed)
+    dtype = rng.choice(DTYPES)
+    gemm = rng.choice(sorted(GEMMS))
+    lead = () if gemm in TWO_D_ONLY or rng.random() < 0.4 else (rng.choice([2, 3]),)
+    plan: list[str] = []
+    for _ in range(rng.choice([0, 1, 2, 2, 3, 3, 4, 5])):
+        roll = rng.random()
+        if roll < 0.12:
+            plan.append(rng.choice(SHARE))
+        elif roll < 0.22:
+            plan.append(f"cast:{rng.choice(['float32', 'bfloat16', 'float16'])}")
+        else:
+            step = rng.choice(sorted(_POINTWISE))
+            if step == "add_alpha" and _adds_to_bare_mm(gemm, lead, plan):
+                step = "sub"  # see test_add_with_alpha_on_a_gemm_left_to_inductor
+            plan.append(step)
+    program = Program(
+        seed=seed, dtype=dtype, gemm=gemm, weight_view=rng.choice(["contiguous", "transposed", "sliced"]),
+        x_view=rng.choice(["contiguous", "contiguous", "sliced", "transposed", "strided"]), lead=lead,
+        k=rng.choice([8, 16, 24, 48, 64]), n=n, operand_dtype=rng.choice([dtype, dtype, torch.float32]),
+        plan=plan,
+    )
+    program.weights = _weights(program, rng.random() < 0.5, torch.Generator(device=DEVICE).manual_seed(seed))
+    return program
+
+
+def _adds_to_bare_mm(gemm: str, lead: tuple[int, ...], plan: list[str]) -> bool:
+    """Whether an add appended to ``plan`` may read a 2-D aten.mm directly (no op between them)."""
+    return not lead and gemm in ("linear", "matmul", "matmul_t") and all(
+        e in SHARE or e.startswith("cast:") for e in plan
+    )
+
+
+def _weights(p: Program, row_bias: bool, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """w as the GEMM form reads it ([N, K] or [K, N]) in the program's memory layout, scaled by
+    1/sqrt(K) so that activations stay O(1) and fp16 cannot overflow."""
+    def randn(*size: int, dtype: torch.dtype = p.dtype) -> torch.Tensor:
+        return torch.randn(*size, generator=gen, device=DEVICE).to(dtype)
+
+    rows, cols = (p.n, p.k) if GEMMS[p.gemm][0] == "nk" else (p.k, p.n)
+    scale = 1.0 / math.sqrt(p.k)
+    if p.weight_view == "transposed":
+        w = (randn(cols, rows) * scale).t()
+    elif p.weight_view == "sliced":
+        w = (randn(rows, 2 * cols) * scale)[:, ::2]
+    else:
+        w = randn(rows, cols) * scale
+    e_shape = (p.n,) if row_bias else (*[1] * (len(p.lead) + 1), p.n)  # [N] or [1, .., 1, N]
+    return {"w": w, "b": randn(p.n), "e": randn(*e_shape, dtype=p.operand_dtype)}
+
+
+# --------------------------------------------------------------------------------------------------
+# Batches: several programs in one compiled graph
+
+
+@dataclass
+class Batch:
+    """Programs compiled as one graph, how their token count is traced, and the calls to make."""
+
+    index: int
+    programs: list[Program]
+    mode: str  # "static" | "mark_dynamic" | "dynamic" (torch.compile(dynamic=True))
+    params: bool  # weights are module parameters rather than inputs of the compiled function
+    tokens: tuple[int, ...]  # the token count (rows, or S of [B, S, K]) of each call
+
+    def describe(self) -> str:
+        head = f"batch {self.index}: {self.mode}, weights as {'parameters' if self.params else 'inputs'}, tokens {self.tokens}"
+        return "\n  ".join([head, *(p.describe() for p in self.programs)])
+
+
+def random_batch(index: int) -> Batch:
+    """Batch ``index`` of the run: reproducible from HELION_INDUCTOR_FUZZ_SEED and the index alone."""
+    rng = random.Random(f"{BASE_SEED}:{index}")
+    first = BASE_SEED * 1_000_000 + index * BATCH_SIZE
+    count = min(BATCH_SIZE, NUM_PROGRAMS - index * BATCH_SIZE)
+    # Distinct N per program, so each site in the report names its program.
+    widths = rng.sample([8, 16, 24, 32, 40, 48, 56, 64], count)
+    programs = [random_program(first + i, n) for i, n in enumerate(widths)]
+    mode = rng.choice(["static", "static", "mark_dynamic", "dynamic"])
+    if mode == "static":
+        tokens: tuple[int, ...] = (rng.choice([1, 2, 3, 5, 8, 17, 37]),)
+    else:
+        # Token counts differ from every K, N and B (Dynamo would unify equal sizes), are >= 2 (1 is
+        # specialized), and sometimes cross max_helion_size so that the token router is exercised.
+        small = rng.sample([5, 6, 7, 9, 11, 13], 2)
+        tokens = (small[0], 19 if rng.random() < 0.25 else small[1])
+    return Batch(index, programs, mode, params=mode == "dynamic" or rng.random() < 0.5, tokens=tokens)
+
+
+class _BatchModule(torch.nn.Module):
+    """The batch with its weights as (frozen) parameters: Dynamo keeps parameter shapes static."""
+
+    def __init__(self, programs: list[Program]) -> None:
+        super().__init__()
+        self.programs = programs
+        self.weights = torch.nn.ParameterList(
+            torch.nn.Parameter(p.weights[name], requires_grad=False) for p in programs for name in STATIC_INPUTS
+        )
+
+    def forward(self, *token_inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outputs: list[torch.Tensor] = []
+        for i, p in enumerate(self.programs):
+            t = dict(zip(TOKEN_INPUTS, token_inputs[i * len(TOKEN_INPUTS):(i + 1) * len(TOKEN_INPUTS)]))
+            t.update(zip(STATIC_INPUTS, list(self.weights)[i * len(STATIC_INPUTS):(i + 1) * len(STATIC_INPUTS)]))
+            outputs.extend(p.forward(t, reference=False))
+        return tuple(outputs)
+
+
+def _batch_function(programs: list[Program]) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """The batch as a function of every tensor (weights first, then token inputs, per program)."""
+    names = STATIC_INPUTS + TOKEN_INPUTS
+
+    def run(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outputs: list[torch.Tensor] = []
+        for i, p in enumerate(programs):
+            outputs.extend(p.forward(dict(zip(names, tensors[i * len(names):(i + 1) * len(names)])), reference=False))
+        return tuple(outputs)
+
+    return run
+
+
+def _leading_steps(p: Program) -> list[str]:
+    """The step addmm carries itself (F.linear with a bias lowers to addmm too)."""
+    _, reads_b, reads_a = GEMMS[p.gemm]
+    return ["bias"] if reads_b else ["residual"] if reads_a else []
+
+
+def _expected_gemm(p: Program, x: torch.Tensor, static_m: int | None) -> str:
+    """What the post-grad graph holds for the program's GEMM: "site", "unfused" or "none".
+
+    aten.matmul folds a 3-D activation into an [M, K] view only when it is contiguous (size-1 dims
+    aside); otherwise it lowers to bmm, which no rule anchors (yet). Inductor's CPU decomposition turns
+    an addmm with one row and K, N <= 16 into a multiply and a sum before the backend sees it.
+    """
+    if x.dim() == 3 and not x.is_contiguous():
+        return "unfused"
+    if DEVICE.type == "cpu" and _leading_steps(p) and static_m == 1 and p.k <= 16 and p.n <= 16:
+        return "none"
+    return "unfused" if p.gemm in UNANCHORED else "site"
+
+
+def _first_step(p: Program) -> str | None:
+    """The vocabulary step the matcher meets first after the GEMM, when the plan fixes it.
+
+    Casts right before an activation belong to its region (the epilogue runs in fp32 anyway), and a
+    cast round trip may be removed by Inductor's joint-graph passes, so a leading cast followed by
+    anything else fixes nothing.
+    """
+    entries, dtype = [], p.dtype
+    for entry in p.plan:
+        if entry.startswith("cast:"):
+            if _dtype(entry) == dtype:
+                continue  # .to() of the dtype it already has: no node at all
+            dtype = _dtype(entry)
+        entries.append(entry)
+    casts = 0
+    while casts < len(entries) and entries[casts].startswith("cast:"):
+        casts += 1
+    if casts == len(entries) or entries[casts] in SHARE:
+        return None
+    step = STEPS[entries[casts]]
+    if casts and step not in ACTIVATIONS:
+        return None
+    return step
+
+
+def _check_sites(batch: Batch, reports: list[GraphReport], inputs: list[dict[str, torch.Tensor]],
+                 tokens: int, context: str) -> None:
+    """Each GEMM a rule can anchor is a site that fuses the first step where a shipped rule allows it."""
+    found = sites(reports)
+    by_n = {s.n: s for s in found}
+    assert len(by_n) == len(found) and set(by_n) <= {p.n for p in batch.programs}, context
+    static = batch.mode == "static"
+    static_m = {p.n: tokens * math.prod(p.lead) if static else None for p in batch.programs}
+    expected = [_expected_gemm(p, t["x"], static_m[p.n]) for p, t in zip(batch.programs, inputs)]
+    assert sum(len(r.unfused_gemms) for r in reports) == expected.count("unfused"), context
+    for p, what in zip(batch.programs, expected):
+        site = by_n.get(p.n)
+        if what != "site":
+            assert site is None, f"unexpected site for {p.describe()}\n{context}"
+            continue
+        assert site is not None, f"no site for {p.describe()}\n{context}"
+        assert site.k == p.k and site.dtype == str(p.dtype).removeprefix("torch."), context
+        assert site.m == ("dynamic" if static_m[p.n] is None else static_m[p.n]), context
+        leading = _leading_steps(p)
+        assert site.epilogue[: len(leading)] == leading, context
+        first = _first_step(p)
+        if first is not None and any(r.accepted_prefix([*leading, first]) == len(leading) + 1 for r in SHIPPED_RULES):
+            assert len(site.epilogue) > len(leading), f"first step {first} not fused: {p.describe()}\n{context}"
+        if DEVICE.type == "cpu":
+            assert site.runs_on == "reference", context
+
+
+@pytest.mark.parametrize("index", range(math.ceil(NUM_PROGRAMS / BATCH_SIZE)))
+def test_random_programs_match_float64_like_eager(index: int, op_calls) -> None:
+    """Each call's outputs match eager's dtype and shape and float64 as closely as eager; each compile
+    finds the sites the programs hold; on the CPU each routed call runs every rewritten site once."""
+    batch = random_batch(index)
+    programs = batch.programs
+    if batch.params:
+        compiled = torch.compile(_BatchModule(programs), backend="helion_inductor", options=DEVICE_OPTIONS,
+                                 dynamic=True if batch.mode == "dynamic" else None)
+    else:
+        compiled = torch.compile(_batch_function(programs), backend="helion_inductor", options=DEVICE_OPTIONS)
+    gen = torch.Generator(device=DEVICE).manual_seed(BASE_SEED * 1_000_003 + index)
+    found: list[SiteReport] = []
+    for tokens in batch.tokens:
+        inputs = [p.tokens_inputs(tokens, gen) for p in programs]
+        if batch.mode == "mark_dynamic":
+            for p, t in zip(programs, inputs):
+                for name in TOKEN_INPUTS:
+                    torch._dynamo.mark_dynamic(t[name], len(p.lead))
+        token_args = [t[name] for t in inputs for name in TOKEN_INPUTS]
+        weight_args = [[p.weights[name] for name in STATIC_INPUTS] for p in programs]
+        args = token_args if batch.params else [
+            a for w, t in zip(weight_args, inputs) for a in (*w, *(t[name] for name in TOKEN_INPUTS))
+        ]
+        reports_before, calls_before = len(helion_backend.get_reports()), op_calls.count
+        outputs = list(compiled(*args))
+        compiled_now = helion_backend.get_reports()[reports_before:]
+        context = batch.describe() + "\n" + "\n".join(r.summary() for r in compiled_now)
+        assert all(r.error is None for r in compiled_now), context
+        if compiled_now:  # this call compiled (first call, or a recompile): check what it found
+            found = sites(compiled_now)
+            _check_sites(batch, compiled_now, inputs, tokens, context)
+        for p, t in zip(programs, inputs):
+            t = {**t, **p.weights}
+            eager = p.forward(t, reference=False)
+            reference = p.forward({k: v.double() if v.is_floating_point() else v for k, v in t.items()},
+                                  reference=True)
+            got, outputs = outputs[: p.num_outputs], outputs[p.num_outputs:]
+            for g, e, r in zip(got, eager, reference, strict=True):
+                assert (g.dtype, g.shape) == (e.dtype, e.shape), f"{g.dtype} {g.shape} != eager's\n{context}"
+                err, eager_err = rel_err(g, r), rel_err(e, r)
+                assert err <= max(p.tolerance, 3 * eager_err), \
+                    f"error {err:.3g} (eager's {eager_err:.3g}) at tokens={tokens} for {p.describe()}\n{context}"
+        if DEVICE.type == "cpu":  # under CUDA graphs a replay does not pass through Python
+            rows = max((tokens * math.prod(p.lead) for p in programs if p.n in {s.n for s in found}), default=0)
+            routed_to_rewrite = batch.mode == "static" or rows <= MAX_HELION_SIZE
+            expected = len(found) if routed_to_rewrite else 0
+            assert op_calls.count - calls_before == expected, f"tokens={tokens}\n{context}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Regression tests for what the fuzzer found
+
+
+def _add_with_alpha(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    return torch.add(x @ w, r, alpha=0.5)
+
+
+def test_add_with_alpha_after_a_fused_gemm_matches_eager(op_calls) -> None:
+    """``add(mm, r, alpha)`` is no residual step: the site stops at the GEMM and the add keeps alpha."""
+    x, w, r = (torch.randn(*s, device=DEVICE) for s in ((13, 48), (48, 32), (13, 32)))
+    helion_backend.clear_reports()
+    out = torch.compile(_add_with_alpha, backend="helion_inductor", options=DEVICE_OPTIONS)(x, w, r)
+    (site,) = sites(helion_backend.get_reports())
+    assert site.epilogue == []
+    if DEVICE.type == "cpu":
+        assert op_calls.count == 1
+    assert rel_err(out, _add_with_alpha(x.double(), w.double(), r.double())) < 1e-5
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU heuristics keep the add+mm -> addmm pattern on")
+@pytest.mark.xfail(strict=True, reason="PyTorch 2.13 Inductor bug, not the backend's: its post-grad pattern "
+                   "add(mm(a, b), c) -> addmm(c, a, b) drops add's alpha (torch/_inductor/fx_passes/post_grad.py)")
+def test_add_with_alpha_on_a_gemm_left_to_inductor() -> None:
+    """Found by the fuzzer (seed 2, batch 59): a dynamic-M call routed to the plain Inductor variant
+    computed ``x @ w + r`` for ``torch.add(x @ w, r, alpha=0.5)``. Plain ``torch.compile`` does the same,
+    so the fuzzer does not generate an add with alpha straight on a 2-D mm; this test fails (XPASS)
+    once PyTorch fixes the pattern, and the fuzzer's restriction can go."""
+    x, w, r = torch.randn(40, 48), torch.randn(48, 32), torch.randn(40, 32)
+    torch._dynamo.mark_dynamic(x, 0)
+    torch._dynamo.mark_dynamic(r, 0)
+    compiled = torch.compile(_add_with_alpha, backend="helion_inductor", options={"rewrite_on_cpu": True})
+    assert rel_err(compiled(x, w, r), _add_with_alpha(x.double(), w.double(), r.double())) < 1e-5
