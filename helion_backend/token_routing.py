@@ -3,9 +3,9 @@
 With a symbolic M, one compiled graph would have to serve decode and prefill alike. Instead the
 backend compiles two variants of the same Dynamo graph: one with the Helion rewrite (for calls whose
 every rewritten GEMM has M within its Helion limit: max_helion_size, or the measured crossover of its
-shape) and plain Inductor (cuBLAS plus Inductor's own epilogue fusion) for the rest. Each call evaluates the sites' M expressions from its
-actual arguments and runs the matching variant, so a choice made for one M is never replayed for
-another.
+shape) and plain Inductor (cuBLAS plus Inductor's own epilogue fusion) for the rest. Each call
+evaluates the sites' M expressions from its actual arguments and runs the matching variant, so a
+choice made for one M is never replayed for another.
 """
 
 from __future__ import annotations
