@@ -39,3 +39,15 @@ def op_calls(monkeypatch):
     from helpers import OpCalls
 
     return OpCalls(monkeypatch)
+
+
+@pytest.fixture
+def no_compile_caches():
+    """Inductor's and AOTAutograd's caches off, for tests whose patches the cache keys cannot see.
+
+    Config ``patch`` contexts, not ``monkeypatch``: pytest >= 9.1 undoes a monkeypatched attribute that
+    is not in the module's ``__dict__`` by deleting it, which hides a torch config entry for good.
+    """
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield

@@ -164,7 +164,7 @@ def test_operand_computed_from_the_gemm_stops_the_site():
     assert legal == [] and "cycle" in why
 
 
-def test_a_failing_rewrite_leaves_the_site_to_inductor(monkeypatch, op_calls):
+def test_a_failing_rewrite_leaves_the_site_to_inductor(monkeypatch, op_calls, no_compile_caches):
     """A bug in the rewrite costs the site its fusion, not the model: the report says why."""
     from helion_backend.passes import rewrite
 
@@ -172,9 +172,6 @@ def test_a_failing_rewrite_leaves_the_site_to_inductor(monkeypatch, op_calls):
         raise RuntimeError("injected rewrite failure")
 
     monkeypatch.setattr(rewrite, "_replace", broken)
-    # The patch is invisible to the cache keys: a graph compiled by another test must not be served.
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     x, w, b = randn(4, 32), randn(48, 32), randn(48)
     fn = lambda x, w, b: F.gelu(F.linear(x, w, b))  # noqa: E731
     out, reports = compile_run(fn, x, w, b)
