@@ -45,6 +45,7 @@ from benchmarks.common import (
     Ceilings,
     TimingConfig,
     capture_calls,
+    copies_to_defeat_l2,
     device_tag,
     measure_ceilings,
     median_replay_ms,
@@ -93,10 +94,9 @@ TOLERANCES = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-4}
 # Rotating weights. A decode GEMM's bytes are almost all weight (>= 8 MB here) and the H200 has a 50 MB
 # L2: replaying one module back to back would serve the kv weight (8 MB) from L2 and "beat" the HBM
 # floor. Each case therefore builds enough distinct modules (weights, bias, inputs) that one pass over
-# them moves at least twice the L2 size, and the captured calls cycle through them; in a real decode
-# step ~100s of MB of other weights pass between two uses of one weight, so this is the faithful
-# setting. Large weights (gate_up, down) need a single copy.
-L2_WORKING_SET_FACTOR = 2
+# them moves at least twice the L2 size (``copies_to_defeat_l2``), and the captured calls cycle through
+# them; in a real decode step ~100s of MB of other weights pass between two uses of one weight, so this
+# is the faithful setting. Large weights (gate_up, down) need a single copy.
 DEFAULT_MAX_COPIES = 32
 # Per-variant recompile limit. All copies of a case share one compiled graph (parameters are graph
 # inputs), and Dynamo is reset before each variant; the limit is raised above the copy count anyway,
@@ -186,9 +186,9 @@ class LinearEpilogue(torch.nn.Module):
         return linear_epilogue(x.double(), self.weight.double(), bias, res, self.epilogue)
 
 
-def weight_copies(case: GemmCase, l2_bytes: int, max_copies: int) -> int:
-    """Distinct modules to cycle through so that one pass moves ``L2_WORKING_SET_FACTOR`` x the L2 size."""
-    return max(1, min(max_copies, math.ceil(L2_WORKING_SET_FACTOR * l2_bytes / case.min_bytes)))
+def weight_copies(case: GemmCase, device: torch.device, max_copies: int) -> int:
+    """Distinct modules to cycle through so that no weight is still in the L2 when it is read again."""
+    return min(max_copies, copies_to_defeat_l2(case.min_bytes, device))
 
 
 @dataclasses.dataclass
@@ -809,7 +809,7 @@ def run(plan: Plan, out_dir: Path, max_copies: int, budget_s: float) -> Path:
             metadata["skipped"] = [c.label for c in cases[index:]]
             print(f"time budget spent: skipping {len(cases) - index} cases")
             break
-        copies = weight_copies(case, metadata["l2_bytes"], max_copies)
+        copies = weight_copies(case, device, max_copies)
         with torch.no_grad():
             rows.append(run_case(case, plan.variants, ceilings, plan.timing, device, copies))
         write_results(out_dir, metadata, rows)

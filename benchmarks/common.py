@@ -5,10 +5,10 @@ metadata helpers (:mod:`helion_backend.timing`, which the tuner uses too), re-ex
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import torch
 
+from helion_backend.kernels.configs import gpu_key
 from helion_backend.timing import (  # noqa: F401  (re-exported for the benchmark scripts)
     CapturedCalls,
     Step,
@@ -89,7 +89,5 @@ def measure_ceilings(device: torch.device, dtype: torch.dtype) -> Ceilings:
 
 
 def device_tag(device: torch.device) -> str:
-    """Canonical file-name tag of the device: ``"NVIDIA H200"`` -> ``"nvidia_h200"``; ``"cpu"`` on a CPU."""
-    if device.type != "cuda":
-        return device.type
-    return re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower()).strip("_")
+    """File-name tag of the device, the config tables' GPU key (``"nvidia_h200"``); ``"cpu"`` on a CPU."""
+    return gpu_key(device) if device.type == "cuda" else device.type

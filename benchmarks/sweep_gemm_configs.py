@@ -14,8 +14,8 @@ shapes a deployment compiled into the user's table instead.
 from __future__ import annotations
 
 import argparse
-import json
-import math
+import functools
+import logging
 import shlex
 import sys
 import time
@@ -28,18 +28,21 @@ import helion
 import torch
 
 from benchmarks.bench_gemm import SUITES
-from benchmarks.common import (
-    TimingConfig,
-    copies_to_defeat_l2,
-    relative_error,
-    run_metadata,
-    time_callable_us,
-)
 from helion_backend.kernels import configs
 from helion_backend.kernels.gemm import gemm_epilogue_helion
+from helion_backend.timing import copies_to_defeat_l2, time_callable_us
+from helion_backend.tuning import (
+    TIMING,
+    ConfigTable,
+    TuneKey,
+    compiled_fallback,
+    fastest_valid,
+    make_inputs,
+    reference_f64,
+    table_metadata,
+)
 
 STEPS = ("bias", "gelu_tanh")
-TIMING = TimingConfig(warmup_calls=2, calls_per_graph=20, warmup_replays=3, replays=15)
 # (block_m, block_n, block_k, num_warps, num_stages, split_k, indexing). Helion shrinks block_m to M
 # when M is smaller; "tensor_descriptor" loads through TMA where the tensor allows it (Helion falls
 # back to pointers where it does not).
@@ -77,60 +80,22 @@ def candidate_configs(m: int, n: int) -> list[helion.Config]:
 
 
 def sweep_key(k: int, n: int, m: int, device: torch.device) -> dict | None:
-    copies = copies_to_defeat_l2(k * n * 2, device)
-    ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
-    bs = [torch.randn(n, device=device, dtype=torch.bfloat16) for _ in range(copies)]
-    xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in range(copies)]
-    ref = torch.nn.functional.gelu(xs[0].double() @ ws[0].double().t() + bs[0].double(), approximate="tanh")
-    results = []
-    for config in candidate_configs(m, n):
-        def step(i: int, config=config):
-            j = i % copies
-            return gemm_epilogue_helion(xs[j], ws[j].t(), STEPS, [bs[j]], [], torch.bfloat16, config)
-        try:
-            err = relative_error(step(0), ref)
-            us = time_callable_us(step, TIMING, device) if err <= 1e-2 else math.inf
-        except Exception as e:  # a config that does not compile for this shape: skip it
-            print(f"  K={k} N={n} M={m} {dict(config)}: {type(e).__name__}: {str(e)[:200]}")
-            continue
-        results.append((us, err, config))
-        print(f"  K={k} N={n} M={m} {dict(config)}: {us:.2f} us (err {err:.1e})")
-    if not results:
+    """The fastest correct candidate at this key and the time of torch.compile default, as a table entry."""
+    key = TuneKey("gemm", STEPS, "bfloat16", k, n, m)
+    inputs = make_inputs(key, device, copies=copies_to_defeat_l2(k * n * 2, device))
+    timer = functools.partial(time_callable_us, config=TIMING, device=device)
+    candidates = candidate_configs(m, n)
+
+    def run(config: helion.Config, i: int) -> torch.Tensor:
+        return gemm_epilogue_helion(*inputs.args(i), config=config)
+
+    best = fastest_valid(candidates, run, reference_f64(inputs), timer)
+    if best is None:
         return None
-    us, err, best = min(results, key=lambda r: r[0])
-    fallback_us = time_fallback_us(xs, ws, bs, device)
-    return {"dtype": "bfloat16", "k": k, "n": n, "m": m, "config": dict(best), "us": round(us, 2),
-            "candidates": len(results), "fallback_us": round(fallback_us, 2), "helion_wins": us < fallback_us}
-
-
-def time_fallback_us(xs: list[torch.Tensor], ws: list[torch.Tensor], bs: list[torch.Tensor],
-                     device: torch.device) -> float:
-    """What the site runs without Helion: ``torch.compile`` default (cuBLAS plus Inductor's epilogue)."""
-    torch._dynamo.reset()  # one lambda serves every key: past Dynamo's recompile limit it would run eager
-    fallback = torch.compile(
-        lambda x, w, b: torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b), approximate="tanh"),
-        dynamic=False,
-    )
-    return time_callable_us(lambda i: fallback(xs[i % len(xs)], ws[i % len(ws)], bs[i % len(bs)]), TIMING, device)
-
-
-def _key(entry: dict) -> tuple:
-    return entry["dtype"], entry["k"], entry["n"], entry["m"]
-
-
-def _existing(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _existing_entries(path: Path) -> list[dict]:
-    return list(_existing(path).get("entries", []))
-
-
-def _existing_commands(path: Path) -> list[str]:
-    return list(_existing(path).get("metadata", {}).get("commands", []))
+    fallback_us = timer(compiled_fallback(inputs))
+    return {"dtype": key.dtype, "k": k, "n": n, "m": m, "config": dict(best.config), "us": round(best.us, 2),
+            "candidates": len(candidates), "fallback_us": round(fallback_us, 2),
+            "helion_wins": best.us < fallback_us}
 
 
 def main(argv: list[str]) -> None:
@@ -141,11 +106,15 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--out-dir", type=Path, help="also write the table here")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
+    # One line per timed candidate (fastest_valid logs them), without the rest of the package's INFO logs.
+    tune_log = logging.getLogger("helion_backend.tuning")
+    tune_log.setLevel(logging.INFO)
+    tune_log.addHandler(logging.StreamHandler(sys.stdout))
     shapes = sorted({(s.k, s.n) for suite in args.suite.split(",") for s in SUITES[suite]})
     ms = [int(m) for m in args.m.split(",")]
     path = configs.TUNED_DIR / f"{configs.gpu_key(device)}.json"
-    entries = {_key(e): e for e in _existing_entries(path)}  # a sweep updates the table, key by key
-    commands = [*_existing_commands(path), shlex.join(sys.orig_argv)]
+    table = ConfigTable.load(path, shlex.join(sys.orig_argv))  # a sweep updates the table, key by key
+    metadata = {**table_metadata(device), "epilogue": list(STEPS)}
     start = time.monotonic()
     for k, n in shapes:
         for m in ms:
@@ -153,18 +122,14 @@ def main(argv: list[str]) -> None:
                 print(f"budget spent: K={k} N={n} M={m} not swept")
                 continue
             entry = sweep_key(k, n, m, device)
-            if entry:
-                entries[_key(entry)] = entry
-                print(f"best K={k} N={n} M={m}: {entry['config']} {entry['us']} us "
-                      f"(torch.compile {entry['fallback_us']} us)")
-            metadata = {**run_metadata(device), "epilogue": list(STEPS), "commands": commands}
-            metadata.pop("command")
-            table = {"metadata": metadata, "entries": sorted(entries.values(), key=_key)}
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(table, indent=1) + "\n")
+            if entry is None:
+                continue
+            table.put(entry, metadata)
+            print(f"best K={k} N={n} M={m}: {entry['config']} {entry['us']} us "
+                  f"(torch.compile {entry['fallback_us']} us)")
             if args.out_dir:
                 (args.out_dir / path.name).write_text(path.read_text())
-    print(f"{len(entries)} keys in the table after {time.monotonic() - start:.0f} s -> {path}")
+    print(f"{len(table.entries)} keys in the table after {time.monotonic() - start:.0f} s -> {path}")
 
 
 if __name__ == "__main__":

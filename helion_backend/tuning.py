@@ -48,8 +48,8 @@ from torch.utils._pytree import tree_leaves
 from . import dispatch
 from .epilogue import apply_epilogue, num_scalars, operand_kinds
 from .jsonfile import write_json_atomic
-from .kernels import configs
-from .kernels.gemm import gemm_epilogue_helion, gemm_kernel, num_k_splits, tile_epilogue
+from .kernels import configs, gemm
+from .kernels.gemm import gemm_epilogue_helion, gemm_kernel
 from .manifest import ManifestError, ManifestSite, read_manifest
 from .options import BackendOptions
 from .timing import Step, TimingConfig, copies_to_defeat_l2, relative_error, run_metadata, time_callable_us
@@ -63,7 +63,7 @@ DEFAULT_BUDGET_S = 300
 # Largest relative Frobenius error against float64 for a config to count: bf16 rounding of the output
 # alone is about 3e-3.
 TOLERANCE = 1e-2
-# As benchmarks/sweep_gemm_configs.py times the shipped table, so that user and shipped entries compare.
+# The sweep of the shipped table times with it too, so that user and shipped entries compare.
 TIMING = TimingConfig(warmup_calls=2, calls_per_graph=20, warmup_replays=3, replays=15)
 
 TableKey = tuple[str, int, int, int]  # (dtype, K, N, M): what a config table entry is keyed by
@@ -117,15 +117,16 @@ def _entry_key(entry: Mapping[str, Any]) -> TableKey:
 
 
 @dataclasses.dataclass
-class UserTable:
-    """The user's config table of one GPU, rewritten whole (atomically) after every tuned key."""
+class ConfigTable:
+    """A config table of one GPU (the user's, or the shipped one the sweep writes), rewritten whole
+    (atomically) after every key."""
 
     path: Path
     entries: dict[TableKey, dict[str, Any]]
     commands: list[str]  # every command that wrote to the table, as the shipped table records them
 
     @classmethod
-    def load(cls, path: Path, command: str) -> UserTable:
+    def load(cls, path: Path, command: str) -> ConfigTable:
         """The table at ``path`` (empty when there is none), with ``command`` added to its history.
         Raises ``TuneError`` for a corrupt table rather than overwrite what it may still hold."""
         if not path.exists():
@@ -219,15 +220,10 @@ KernelFn = Callable[..., torch.Tensor]  # gemm_epilogue_helion's signature
 
 
 def gemm_kernel_args(inputs: GemmInputs, split_k: int) -> tuple[Any, ...]:
-    """``gemm_kernel``'s arguments for copy 0 as :func:`gemm_epilogue_helion` passes them at this split: the
-    output seen as [1, M, N], or with ``split_k > 1`` the fp32 workspace [splits, M, N] of partial sums."""
+    """``gemm_kernel``'s arguments for copy 0 at this split, as :func:`gemm_epilogue_helion` passes them."""
     x, w_kn, steps, operands, scalars, out_dtype = inputs.args(0)
-    (m, k), n = x.shape, w_kn.shape[1]
-    if split_k == 1:
-        out = torch.empty((1, m, n), dtype=out_dtype, device=x.device)
-    else:
-        out = torch.empty((num_k_splits(k, split_k), m, n), dtype=torch.float32, device=x.device)
-    return (x, w_kn, out, list(operands), list(scalars), tile_epilogue(steps))
+    out = torch.empty((x.shape[0], w_kn.shape[1]), dtype=out_dtype, device=x.device)
+    return gemm.gemm_kernel_args(x, w_kn, out, list(operands), list(scalars), gemm.tile_epilogue(steps), split_k)
 
 
 def assert_tensors_close(actual: object, expected: object) -> None:
@@ -293,6 +289,7 @@ def fastest_valid(
             log.warning("helion_inductor tune: %s is off by %.2e (> %.0e); dropped", config, error, tolerance)
             continue
         measured.append(Measured(config, timer(functools.partial(run, config)), error))
+        log.info("helion_inductor tune: %s: %.2f us (error %.1e)", dict(config), measured[-1].us, error)
     return min(measured, key=lambda m: m.us, default=None)
 
 
@@ -389,7 +386,7 @@ def eta(durations: Sequence[float], keys_left: int, budget_s: int | None) -> str
 
 def tune_all(
     keys: Sequence[TuneKey],
-    table: UserTable,
+    table: ConfigTable,
     tune_one: Callable[[TuneKey], dict[str, Any]],
     metadata: Callable[[], Mapping[str, Any]],
     *,
@@ -522,7 +519,7 @@ def _tune(args: argparse.Namespace) -> int:
         raise TuneError("no CUDA device: tuning runs the kernels on the GPU whose table it writes")
     device = torch.device("cuda", torch.cuda.current_device())
     path = _writable_table(args.cache_dir or args.manifest.parent, device)
-    table = UserTable.load(path, shlex.join(sys.orig_argv))
+    table = ConfigTable.load(path, shlex.join(sys.orig_argv))
     print(f"{len(keys)} key(s) from {args.manifest} -> {path} (effort {args.effort}, "
           f"{args.budget_per_key}s per key)", file=sys.stderr)
     tune_one = functools.partial(tune_key, device=device, effort=args.effort, budget_s=args.budget_per_key)

@@ -14,7 +14,7 @@ from helion_backend import dispatch, timing, tuning
 from helion_backend.__main__ import main
 from helion_backend.kernels import configs
 from helion_backend.manifest import ManifestSite
-from helion_backend.tuning import TuneError, TuneKey, UserTable
+from helion_backend.tuning import ConfigTable, TuneError, TuneKey
 
 CUDA = torch.device("cuda")  # a device object only, except in the GPU test
 
@@ -134,7 +134,7 @@ class FakeClock:
 
 def run_loop(table_path, keys, tune_one, *, force=False, budget_s=None, clock=None):
     progress = io.StringIO()
-    table = UserTable.load(table_path, "python -m helion_backend tune m.json")
+    table = ConfigTable.load(table_path, "python -m helion_backend tune m.json")
     summary = tuning.tune_all(keys, table, tune_one, lambda: {"device": "test"}, force=force, budget_s=budget_s,
                               progress=progress, clock=clock or FakeClock())
     return summary, progress.getvalue().splitlines()
@@ -204,7 +204,7 @@ def test_progress_lines_count_keys_and_estimate_the_time_left(tmp_path):
         return fake_entry(k, us=5.0 if k.m != 4 else 8.0)
 
     path = tmp_path / "test_gpu.json"
-    UserTable.load(path, "earlier").put(fake_entry(key(2)), {})  # tuned by an earlier run
+    ConfigTable.load(path, "earlier").put(fake_entry(key(2)), {})  # tuned by an earlier run
     keys = [key(1), key(2), key(4), key(8)]
     _, lines = run_loop(path, keys, tune_one, budget_s=100, clock=clock)
     assert lines == [
@@ -227,7 +227,7 @@ def test_corrupt_user_table_is_not_overwritten(tmp_path):
     path = tmp_path / "test_gpu.json"
     path.write_text("{oops")
     with pytest.raises(TuneError, match=str(path)):
-        UserTable.load(path, "cmd")
+        ConfigTable.load(path, "cmd")
     assert path.read_text() == "{oops"
 
 
@@ -302,7 +302,7 @@ def test_tune_key_validates_every_split_and_writes_an_entry_the_backend_loads(cp
     assert (entry["us"], entry["fallback_us"], entry["helion_wins"]) == (3.0, 4.5, True)
     assert entry["error"] < 1e-2 and entry["effort"] == "quick" and entry["epilogue"] == ["bias", "residual"]
 
-    UserTable.load(cpu_table_dir / "test_gpu.json", "cmd").put(entry, tuning.table_metadata(torch.device("cpu")))
+    ConfigTable.load(cpu_table_dir / "test_gpu.json", "cmd").put(entry, tuning.table_metadata(torch.device("cpu")))
     user_dir = str(cpu_table_dir)
     assert configs.config_for(4, 2048, 64, torch.bfloat16, CUDA, user_dir) == tuned[1]
     assert configs.measured_crossover(2048, 64, torch.bfloat16, CUDA, user_dir) is None  # Helion won

@@ -39,25 +39,18 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _split_k(m_tiles: int, n_tiles: int, k: int) -> int:
-    """Largest power of two that keeps the grid within one wave of SMs and each split deep enough."""
-    split_k = 1
-    while (
-        split_k < _MAX_SPLIT_K
-        and m_tiles * n_tiles * split_k * 2 <= _NUM_SMS
-        and k // (split_k * 2) >= _MIN_K_PER_SPLIT
-    ):
-        split_k *= 2
-    return split_k
-
-
 def split_k_choices(k: int) -> list[int]:
-    """The split-K factors worth trying at this K (for the tuner): powers of two up to the cap that leave
-    every split deep enough, as :func:`default_config` picks from."""
+    """The split-K factors worth trying at this K: powers of two up to the cap that leave every split deep
+    enough (what :func:`default_config` picks from, and what the tuner searches)."""
     choices = [1]
     while choices[-1] * 2 <= _MAX_SPLIT_K and k // (choices[-1] * 2) >= _MIN_K_PER_SPLIT:
         choices.append(choices[-1] * 2)
     return choices
+
+
+def _split_k(m_tiles: int, n_tiles: int, k: int) -> int:
+    """The largest choice that keeps the grid within one wave of SMs."""
+    return max(s for s in split_k_choices(k) if s == 1 or m_tiles * n_tiles * s <= _NUM_SMS)
 
 
 @functools.cache  # called on every kernel launch without an explicit config

@@ -213,15 +213,30 @@ def gemm_epilogue_helion(
     epilogue = tile_epilogue(steps)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     split_k = config.get("split_k", 1)
-    if split_k == 1:
-        args = (x, w_kn, out.unsqueeze(0), operands, scalars, epilogue)
-        _compiled(gemm_kernel, args, sig, config, 1)(*args)
-        return out
-    # Every split writes its whole slice, so the workspace needs no zero fill.
-    splits = num_k_splits(k, split_k)
-    partial_sums = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
-    gemm_args = (x, w_kn, partial_sums, operands, scalars, epilogue)
+    gemm_args = gemm_kernel_args(x, w_kn, out, operands, scalars, epilogue, split_k)
+    splits = gemm_args[2].shape[0]
     _compiled(gemm_kernel, gemm_args, sig, config, splits)(*gemm_args)
-    finish_args = (partial_sums, out, operands, scalars, epilogue)
+    if split_k == 1:
+        return out
+    finish_args = (gemm_args[2], out, operands, scalars, epilogue)
     _compiled(epilogue_kernel, finish_args, sig, EPILOGUE_CONFIG, splits)(*finish_args)
     return out
+
+
+def gemm_kernel_args(
+    x: torch.Tensor,
+    w_kn: torch.Tensor,
+    out: torch.Tensor,
+    operands: list[torch.Tensor],
+    scalars: list[float],
+    epilogue: TileEpilogue,
+    split_k: int,
+) -> tuple[object, ...]:
+    """:func:`gemm_kernel`'s arguments at this split: ``out`` seen as [1, M, N], or with ``split_k > 1`` a
+    fresh fp32 workspace [splits, M, N] for the partial sums (every split writes its whole slice, so it
+    needs no zero fill)."""
+    if split_k == 1:
+        return (x, w_kn, out.unsqueeze(0), operands, scalars, epilogue)
+    (m, k), n = x.shape, w_kn.shape[1]
+    partial_sums = torch.empty((num_k_splits(k, split_k), m, n), dtype=torch.float32, device=x.device)
+    return (x, w_kn, partial_sums, operands, scalars, epilogue)
