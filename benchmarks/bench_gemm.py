@@ -11,13 +11,15 @@ Typical use on the GPU machine (one call of at most ten minutes)::
     python benchmarks/bench_gemm.py --quick --out-dir "$OUT"      # 12 cases, fewer replays
     python benchmarks/bench_gemm.py --full --suite qwen3_8b --m 1,2,4,8 --out-dir "$OUT"   # one shard
     python benchmarks/bench_gemm.py --merge a/nvidia_h200_bf16.json b/nvidia_h200_bf16.json
+    python benchmarks/bench_gemm.py --quant fp8_dynamic,int8_dynamic --m 1,16 --out-dir "$OUT"  # quantized suite
 
 and on a CPU, to check the script end to end::
 
     python benchmarks/bench_gemm.py --smoke --out-dir /tmp/bench_smoke
 
-Results go to ``<out-dir>/<device>_<dtype>.json`` and a Markdown table next to it; both are rewritten
-after every case, so a run cut short still leaves its finished rows.
+Results go to ``<out-dir>/<device>_<dtype>.json`` (``<device>_quant.json`` for the quantized suite, whose
+layers are built by :mod:`helion_backend.quantize`, as users would build them) and a Markdown table next
+to it; both are rewritten after every case, so a run cut short still leaves its finished rows.
 """
 
 from __future__ import annotations
@@ -90,6 +92,9 @@ DTYPE_TAGS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp3
 TAG_DTYPES = {tag: dtype for dtype, tag in DTYPE_TAGS.items()}
 # Relative Frobenius error allowed against float64: bf16 operands land between 1e-3 and 1e-2.
 TOLERANCES = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-4}
+# Quantized layers against the float64 result of their float weights: the quantization's own error
+# (fp8 per token: ~28 dB SQNR, rel. error ~0.04; int8: ~40 dB; int8 weight-only: ~42 dB), with margin.
+QUANT_TOLERANCES = {"fp8_dynamic": 0.1, "int8_dynamic": 0.04, "int8_weight_only": 0.03}
 
 # Rotating weights. A decode GEMM's bytes are almost all weight (>= 8 MB here) and the H200 has a 50 MB
 # L2: replaying one module back to back would serve the kv weight (8 MB) from L2 and "beat" the HBM
@@ -112,14 +117,18 @@ class GemmCase:
     k: int
     n: int
     epilogue: str
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the activation and the output
+    quant: str | None = None  # a helion_backend.quantize format: the layer is quantized that way
 
     @property
     def label(self) -> str:
-        return f"{self.suite}/{self.name} M={self.m} K={self.k} N={self.n} {self.epilogue}"
+        quant = f" {self.quant}" if self.quant else ""
+        return f"{self.suite}/{self.name} M={self.m} K={self.k} N={self.n} {self.epilogue}{quant}"
 
     @property
     def weight_bytes(self) -> int:
+        if self.quant:  # one byte a weight, plus the per-channel fp32 scales
+            return self.k * self.n + 4 * self.n
         return self.k * self.n * self.dtype.itemsize
 
     @property
@@ -144,16 +153,19 @@ def linear_epilogue(
     epilogue: str,
 ) -> torch.Tensor:
     """The computation of every case, written as model code writes it: this is what the backend must match."""
-    if epilogue == "none":
-        return F.linear(x, weight)
-    if epilogue == "bias":
-        return F.linear(x, weight, bias)
+    return after_linear(F.linear(x, weight, bias if epilogue in BIAS_EPILOGUES else None), residual, epilogue)
+
+
+def after_linear(y: torch.Tensor, residual: torch.Tensor | None, epilogue: str) -> torch.Tensor:
+    """What each epilogue does to the linear's result ``y`` (whose bias, if any, is already added)."""
+    if epilogue in ("none", "bias"):
+        return y
     if epilogue == "bias_gelu_tanh":
-        return F.gelu(F.linear(x, weight, bias), approximate="tanh")
+        return F.gelu(y, approximate="tanh")
     if epilogue == "silu":
-        return F.silu(F.linear(x, weight))
+        return F.silu(y)
     if epilogue == "residual":
-        return F.linear(x, weight) + residual
+        return y + residual
     raise ValueError(f"unknown epilogue {epilogue!r}")
 
 
@@ -175,8 +187,11 @@ class LinearEpilogue(torch.nn.Module):
         self.epilogue = case.epilogue
         self.weight = uniform(case.n, case.k)
         self.bias = uniform(case.n) if case.epilogue in BIAS_EPILOGUES else None
+        self.quantized = quantized_linear(case.quant, self.weight, self.bias) if case.quant else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        if self.quantized is not None:
+            return after_linear(self.quantized(x), residual, self.epilogue)
         return linear_epilogue(x, self.weight, self.bias, residual, self.epilogue)
 
     def reference(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
@@ -184,6 +199,19 @@ class LinearEpilogue(torch.nn.Module):
         bias = None if self.bias is None else self.bias.double()
         res = None if residual is None else residual.double()
         return linear_epilogue(x.double(), self.weight.double(), bias, res, self.epilogue)
+
+
+def quantized_linear(fmt: str, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Module:
+    """The layer quantized with the project's helper, as a user would (its reference stays the float one)."""
+    from helion_backend.quantize import QUANT_FORMATS
+
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
+                             device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        if bias is not None:
+            linear.bias.copy_(bias)
+    return QUANT_FORMATS[fmt].from_linear(linear)
 
 
 def weight_copies(case: GemmCase, device: torch.device, max_copies: int) -> int:
@@ -384,6 +412,7 @@ def run_case(
         "k": case.k,
         "n": case.n,
         "dtype": DTYPE_TAGS[case.dtype],
+        "quant": case.quant,
         "epilogue": case.epilogue,
         "copies": copies,
         "times_us": {v: r.time_us for v, r in results.items()},
@@ -417,7 +446,8 @@ LONG_FLOOR_US = 10.0
 def row_is_correct(row: dict, variant: str) -> bool:
     """True when the variant produced a time and its error is within the dtype's tolerance (NaN fails)."""
     err = row["rel_err"].get(variant)
-    tolerance = TOLERANCES[TAG_DTYPES[row["dtype"]]]
+    quant = row.get("quant")
+    tolerance = QUANT_TOLERANCES[quant] if quant else TOLERANCES[TAG_DTYPES[row["dtype"]]]
     return row["times_us"].get(variant) is not None and err is not None and err <= tolerance
 
 
@@ -495,7 +525,8 @@ def table_lines(rows: Sequence[dict], variants: Sequence[str]) -> list[str]:
         helion_us = row["times_us"].get(HELION)
         percent = f"{100 * row['floor_us'] / helion_us:.0f}%" if helion_us else "-"
         cells = [
-            row["suite"], row["name"], str(row["m"]), str(row["k"]), str(row["n"]), row["epilogue"],
+            row["suite"], row["name"], str(row["m"]), str(row["k"]), str(row["n"]),
+            f"{row['quant']}: {row['epilogue']}" if row.get("quant") else row["epilogue"],
             f"{row['floor_us']:.1f} {bound}",
             *(format_time(row, v) for v in variants),
             format_ratio(row, "compile"), format_ratio(row, "max_autotune"), percent,
@@ -518,6 +549,19 @@ def error_lines(rows: Sequence[dict]) -> list[str]:
 MARKDOWN_METADATA = ("command", "device", "torch", "cuda", "triton", "helion", "python", "date", "timing")
 
 
+def summary_section(metadata: dict, rows: Sequence[dict]) -> list[str]:
+    """The summary lines; the quantized suite gets one set per format (its targets are per format)."""
+    quants = metadata.get("quants") or []
+    if not quants:
+        return [f"- {line}" for line in summary_lines(rows)]
+    lines = []
+    for quant in quants:
+        lines += [f"### {quant} (tolerance {QUANT_TOLERANCES[quant]:g})", ""]
+        lines += [f"- {line}" for line in summary_lines([r for r in rows if r.get("quant") == quant])]
+        lines.append("")
+    return lines
+
+
 def markdown(metadata: dict, rows: Sequence[dict]) -> str:
     variants = metadata["variants"]
     lines = [f"# GEMM + epilogue benchmark: {metadata['device']}, {metadata['dtype']}", ""]
@@ -535,7 +579,7 @@ def markdown(metadata: dict, rows: Sequence[dict]) -> str:
         "",
         "## Summary",
         "",
-        *(f"- {line}" for line in summary_lines(rows)),
+        *summary_section(metadata, rows),
         "",
         "## Rows",
         "",
@@ -548,9 +592,9 @@ def markdown(metadata: dict, rows: Sequence[dict]) -> str:
 
 
 def write_results(out_dir: Path, metadata: dict, rows: Sequence[dict]) -> Path:
-    """Write ``<device>_<dtype>.json`` and ``.md`` into ``out_dir``; return the JSON path."""
+    """Write ``<device>_<dtype>.json`` (``<device>_quant.json``) and ``.md`` into ``out_dir``; return the JSON path."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"{metadata['device_tag']}_{metadata['dtype']}"
+    stem = out_dir / f"{metadata['device_tag']}_{'quant' if metadata.get('quants') else metadata['dtype']}"
     json_path = stem.with_suffix(".json")
     json_path.write_text(json.dumps({"metadata": metadata, "rows": list(rows)}, indent=1) + "\n")
     stem.with_suffix(".md").write_text(markdown(metadata, rows))
@@ -572,7 +616,8 @@ def merge_results(paths: Sequence[Path], out_dir: Path) -> Path:
     ceilings = shards[-1]["metadata"]
     for data in shards:
         for row in data["rows"]:
-            rows[(row["suite"], row["name"], row["m"], row["epilogue"], row["dtype"])] = restate_floors(
+            key = (row["suite"], row["name"], row["m"], row["epilogue"], row["dtype"], row.get("quant"))
+            rows[key] = restate_floors(
                 row, data["metadata"], ceilings
             )
     variants = [v for v in VARIANTS if any(v in row["times_us"] for row in rows.values())]
@@ -602,6 +647,7 @@ class Plan:
     timing: TimingConfig
     device: str
     dtype: torch.dtype
+    quants: tuple[str, ...] = ()  # the quantized suite: these helion_backend.quantize formats
 
 
 PRESETS = {
@@ -669,7 +715,8 @@ def plan_cases(plan: Plan) -> list[GemmCase]:
             raise SystemExit(f"unknown shape names for suites {plan.suites}: {sorted(unknown)}")
         shapes = [(suite, shape) for suite, shape in shapes if shape.name in plan.shapes]
     return [
-        GemmCase(suite, shape.name, m, shape.k, shape.n, epilogue, plan.dtype)
+        GemmCase(suite, shape.name, m, shape.k, shape.n, epilogue, plan.dtype, quant)
+        for quant in plan.quants or (None,)
         for suite, shape in shapes
         for epilogue in plan.epilogues
         for m in plan.ms
@@ -716,6 +763,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--epilogues", type=comma_list(EPILOGUES), help="comma list of epilogues")
     parser.add_argument("--m", type=m_list, help=f"comma list of M values, or 'all' {ALL_M}")
     parser.add_argument("--variants", type=comma_list(VARIANTS), help="comma list of variants")
+    parser.add_argument("--quant", type=comma_list(tuple(QUANT_TOLERANCES)),
+                        help="the quantized suite: comma list of formats (layers built by helion_backend.quantize)")
     parser.add_argument("--replays", type=int, help="timed graph replays per variant")
     parser.add_argument(
         "--out-dir",
@@ -744,6 +793,7 @@ def resolve_plan(args: argparse.Namespace) -> Plan:
         "ms": args.m,
         "variants": args.variants,
         "timing": timing,
+        "quants": args.quant,
     }
     return dataclasses.replace(plan, **{k: v for k, v in overrides.items() if v is not None})
 
@@ -770,7 +820,8 @@ def run_metadata_for(plan: Plan, device: torch.device, ceilings: Ceilings) -> di
         **run_metadata(device),
         "device_tag": device_tag(device),
         "dtype": DTYPE_TAGS[plan.dtype],
-        "tolerance": TOLERANCES[plan.dtype],
+        "quants": list(plan.quants),
+        "tolerance": max([QUANT_TOLERANCES[q] for q in plan.quants] or [TOLERANCES[plan.dtype]]),
         "variants": list(plan.variants),
         "timing": dataclasses.asdict(plan.timing),
         "memory_bandwidth_gb_s": ceilings.memory_bytes_per_s / 1e9,
@@ -784,7 +835,8 @@ def run_metadata_for(plan: Plan, device: torch.device, ceilings: Ceilings) -> di
 def progress_line(row: dict, done: int, total: int, elapsed_s: float) -> str:
     times = ", ".join(f"{v} {t:.1f}" if t is not None else f"{v} err" for v, t in row["times_us"].items())
     return (
-        f"[{done}/{total} {elapsed_s:.0f}s] {row['suite']}/{row['name']} M={row['m']} {row['epilogue']}: "
+        f"[{done}/{total} {elapsed_s:.0f}s] {row['suite']}/{row['name']} M={row['m']} {row['epilogue']}"
+        f"{' ' + row['quant'] if row.get('quant') else ''}: "
         f"{times} µs (floor {row['floor_us']:.1f})"
     )
 

@@ -11,8 +11,9 @@ from typing import Sequence
 import torch
 
 from . import report
-from .epilogue import apply_epilogue, operand_kinds, parse_epilogue
-from .vocabulary import Operand
+from .epilogue import apply_epilogue, operand_kinds, parse_epilogue, parse_prologue
+from .quant_program import QuantProgram, parse_program, quantize_rows
+from .vocabulary import QUANT_DTYPES, Operand
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,8 @@ def placement_digest(config_dir: str) -> str:
 
 
 def helion_size_limit(
-    k: int, n: int, dtype: torch.dtype, device: torch.device, max_helion_size: int, config_dir: str
+    k: int, n: int, dtype: torch.dtype, device: torch.device, max_helion_size: int, config_dir: str,
+    kernel: str = "gemm",
 ) -> tuple[int, str | None]:
     """The largest M that runs the Helion kernel at this shape, and why it is below ``max_helion_size``.
 
@@ -51,7 +53,7 @@ def helion_size_limit(
         return max_helion_size, None
     from .kernels.configs import measured_crossover
 
-    crossover = measured_crossover(k, n, dtype, device, config_dir or None)
+    crossover = measured_crossover(k, n, dtype, device, config_dir or None, kernel)
     if crossover is None or crossover >= max_helion_size:
         return max_helion_size, None
     return crossover, f"measured crossover M={crossover} at K={k}, N={n} (config table)"
@@ -61,6 +63,8 @@ def run_gemm_epilogue(
     x: torch.Tensor,
     weight: torch.Tensor,
     weight_layout: str,
+    prologue: str,
+    quant_program: str,
     operands: Sequence[torch.Tensor],
     scalars: Sequence[float],
     epilogue: str,
@@ -70,6 +74,8 @@ def run_gemm_epilogue(
     config_dir: str = "",
     site: str = "",
 ) -> torch.Tensor:
+    parse_prologue(prologue)  # validates the step names; what they do is in the program and the dtypes
+    program = parse_program(quant_program) if quant_program else None
     steps = parse_epilogue(epilogue)
     w_kn = weight_kn(weight, weight_layout)
     flat = flatten_operands(operands, steps, w_kn.shape[1])
@@ -78,10 +84,10 @@ def run_gemm_epilogue(
         from .kernels import run_kernel
 
         try:
-            return run_kernel(kernel, x, w_kn, steps, flat, scalars, out_dtype, config_dir or None)
+            return run_kernel(kernel, x, w_kn, steps, flat, scalars, out_dtype, config_dir or None, program)
         except Exception as e:  # a kernel that cannot compile or launch must not fail the model
             _fall_back(site, m, e)
-    return reference(x, w_kn, steps, flat, scalars, out_dtype)
+    return reference(x, w_kn, steps, flat, scalars, out_dtype, program)
 
 
 def _fall_back(site: str, m: int, error: Exception) -> None:
@@ -105,10 +111,26 @@ def reference(
     operands: Sequence[torch.Tensor],
     scalars: Sequence[float],
     out_dtype: torch.dtype,
+    program: QuantProgram | None = None,
 ) -> torch.Tensor:
-    """The unfused computation: GEMM in the input dtype (as eager runs it), epilogue in fp32."""
-    acc = torch.mm(x, w_kn).to(torch.float32)
+    """The unfused computation: the activation quantized as ``program`` says (if given), the GEMM as the
+    graph ran it, the epilogue in fp32."""
+    if program is None:
+        return apply_epilogue(gemm_product(x, w_kn), steps, operands.__getitem__, scalars).to(out_dtype)
+    quantized, scale = quantize_rows(program, x)
+    acc = gemm_product(quantized, w_kn) * scale.to(torch.float32)
     return apply_epilogue(acc, steps, operands.__getitem__, scalars).to(out_dtype)
+
+
+def gemm_product(x: torch.Tensor, w_kn: torch.Tensor) -> torch.Tensor:
+    """``x @ w_kn`` in fp32 as the unfused graph computes it: float GEMMs in their dtype (as eager runs
+    them), an int8 weight converted to the activation's dtype first, int8 x int8 exactly (as
+    ``_int_mm``'s int32 result), fp8 x fp8 with fp32 accumulation (as ``_scaled_mm``)."""
+    if x.dtype == torch.int8:
+        return torch.mm(x.to(torch.float64), w_kn.to(torch.float64)).to(torch.float32)
+    if x.dtype in QUANT_DTYPES.values():
+        return torch.mm(x.to(torch.float32), w_kn.to(torch.float32))
+    return torch.mm(x, w_kn.to(x.dtype)).to(torch.float32)
 
 
 def weight_kn(weight: torch.Tensor, weight_layout: str) -> torch.Tensor:
@@ -121,8 +143,19 @@ def weight_kn(weight: torch.Tensor, weight_layout: str) -> torch.Tensor:
 
 
 def flatten_operands(operands: Sequence[torch.Tensor], steps: Sequence[str], n: int) -> list[torch.Tensor]:
-    """Row operands as [N] vectors and full ones as [M, N] views (3-D linears arrive as [B, S, N])."""
+    """Each operand as an [N] vector or an [M, N] tensor, the two shapes kernels index (3-D linears
+    arrive as [B, S, N]). Per-token columns and one-element tensors are broadcast as views, no copy."""
     kinds = operand_kinds(steps)
     if len(kinds) != len(operands):
         raise ValueError(f"epilogue {list(steps)} reads {len(kinds)} tensor operands, got {len(operands)}")
-    return [op.reshape(n) if kind is Operand.ROW else op.reshape(-1, n) for op, kind in zip(operands, kinds)]
+    return [_flatten(op, kind, n) for op, kind in zip(operands, kinds)]
+
+
+def _flatten(operand: torch.Tensor, kind: Operand, n: int) -> torch.Tensor:
+    if kind is Operand.ROW:
+        return operand.reshape(n)
+    if kind is Operand.ELEMENT:
+        return operand.reshape(1).expand(n)
+    if kind is Operand.COL:
+        return operand.reshape(-1, 1).expand(-1, n)
+    return operand.reshape(-1, n)

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .vocabulary import ACTIVATIONS, EPILOGUE_STEPS, Operand
+from .vocabulary import ACTIVATIONS, EPILOGUE_STEPS, PROLOGUE_STEPS, Operand
 
 # fp32 formulas for the activations, written with the elementary ops that both eager PyTorch and
 # Helion's device code lower (so one definition serves the reference and the kernel).
@@ -50,24 +50,33 @@ assert tuple(ACTIVATION_FORMULAS) == ACTIVATIONS
 @functools.cache
 def parse_epilogue(spec: str) -> tuple[str, ...]:
     """``"bias,gelu_tanh"`` -> ``("bias", "gelu_tanh")``; the op carries epilogues as such strings."""
+    return _parse_steps(spec, EPILOGUE_STEPS, "epilogue")
+
+
+@functools.cache
+def parse_prologue(spec: str) -> tuple[str, ...]:
+    return _parse_steps(spec, PROLOGUE_STEPS, "prologue")
+
+
+def _parse_steps(spec: str, vocabulary: dict, what: str) -> tuple[str, ...]:
     steps = tuple(s for s in spec.split(",") if s)
-    unknown = [s for s in steps if s not in EPILOGUE_STEPS]
+    unknown = [s for s in steps if s not in vocabulary]
     if unknown:
-        raise ValueError(f"unknown epilogue step(s) {unknown}; valid: {sorted(EPILOGUE_STEPS)}")
+        raise ValueError(f"unknown {what} step(s) {unknown}; valid: {sorted(vocabulary)}")
     return steps
 
 
-def format_epilogue(steps: Sequence[str]) -> str:
+def format_steps(steps: Sequence[str]) -> str:
+    """How the fused op carries a prologue or an epilogue: step names joined by commas."""
     return ",".join(steps)
+
+
+TENSOR_OPERANDS = (Operand.ROW, Operand.COL, Operand.ELEMENT, Operand.FULL)
 
 
 def operand_kinds(steps: Sequence[str]) -> list[Operand]:
     """The tensor operands an epilogue reads, in the order it reads them."""
-    return [
-        EPILOGUE_STEPS[s].operand
-        for s in steps
-        if EPILOGUE_STEPS[s].operand in (Operand.ROW, Operand.FULL)
-    ]
+    return [EPILOGUE_STEPS[s].operand for s in steps if EPILOGUE_STEPS[s].operand in TENSOR_OPERANDS]
 
 
 def num_scalars(steps: Sequence[str]) -> int:
@@ -84,7 +93,9 @@ def apply_epilogue(
 
     ``load_operand(i)`` returns the i-th tensor operand already indexed for ``acc`` (the whole tensor
     on the reference path, the current tile inside a kernel); it is upcast to fp32 here. ``cast`` is a
-    no-op on the accumulator: the caller stores the result in the site's output dtype.
+    no-op on the accumulator: the caller stores the result in the site's output dtype. So is
+    ``act_scale``: the kernel that quantized the activation multiplies by its scale right after the
+    GEMM (the matcher only fuses it behind steps that commute with it).
     """
     next_operand = 0
     next_scalar = 0
@@ -96,7 +107,7 @@ def apply_epilogue(
         elif kind is not Operand.NONE:
             value = load_operand(next_operand).to(torch.float32)
             next_operand += 1
-            acc = acc * value if step == "mul" else acc + value
+            acc = acc * value if EPILOGUE_STEPS[step].multiplies else acc + value
         elif step in ACTIVATION_FORMULAS:
             acc = ACTIVATION_FORMULAS[step](acc)
     return acc

@@ -21,6 +21,8 @@ def gemm_epilogue(
     x: torch.Tensor,
     weight: torch.Tensor,
     weight_layout: str,
+    prologue: str,
+    quant_program: str,
     operands: list[torch.Tensor],
     scalars: list[float],
     epilogue: str,
@@ -30,20 +32,24 @@ def gemm_epilogue(
     config_dir: str,
     site: str,
 ) -> torch.Tensor:
-    """``epilogue(x @ weight)`` stored once in ``out_dtype``; x is [M, K], the result [M, N].
+    """``epilogue(prologue(x) @ prologue(weight))`` stored once in ``out_dtype``; x is [M, K], the result [M, N].
 
     ``weight_layout`` is "kn" for a [K, N] weight and "nk" for an nn.Linear [N, K] weight.
+    ``prologue`` is a comma-joined list of prologue steps (see :mod:`.vocabulary`); an activation
+    quantization carries its ops as ``quant_program`` (JSON, see :mod:`.quant_program`), else "".
     ``epilogue`` is a comma-joined step list (see :mod:`.epilogue`) reading ``operands`` and
     ``scalars`` in order. ``kernel`` names the kernel family; rows up to ``max_helion_m`` run it,
     with configs from ``config_dir`` (user-tuned; "" for none) before the shipped ones. ``site`` names
     the site in the report (``graph:anchor``), for the warning if its kernel fails.
     """
     return dispatch.run_gemm_epilogue(
-        x, weight, weight_layout, operands, scalars, epilogue, out_dtype, kernel, max_helion_m, config_dir, site
+        x, weight, weight_layout, prologue, quant_program, operands, scalars, epilogue, out_dtype, kernel,
+        max_helion_m, config_dir, site,
     )
 
 
 @gemm_epilogue.register_fake
-def _(x, weight, weight_layout, operands, scalars, epilogue, out_dtype, kernel, max_helion_m, config_dir, site):
+def _(x, weight, weight_layout, prologue, quant_program, operands, scalars, epilogue, out_dtype, kernel,
+      max_helion_m, config_dir, site):
     n = weight.shape[0] if weight_layout == "nk" else weight.shape[1]
     return x.new_empty((x.shape[0], n), dtype=out_dtype)

@@ -174,7 +174,7 @@ def _single_node_step(value: fx.Node, n: int) -> Step | None:
     if user.target is aten.add.Tensor and user.kwargs.get("alpha", 1) == 1:
         return _add_step(value, user, n)
     if user.target is aten.mul.Tensor:
-        return _mul_step(value, user)
+        return _mul_step(value, user, n)
     return None
 
 
@@ -197,26 +197,36 @@ def _add_step(value: fx.Node, node: fx.Node, n: int) -> Step | None:
     return None
 
 
-def _mul_step(value: fx.Node, node: fx.Node) -> Step | None:
+_MUL_STEPS = {Operand.FULL: "mul", Operand.ROW: "channel_scale", Operand.COL: "token_scale",
+              Operand.ELEMENT: "tensor_scale"}
+
+
+def _mul_step(value: fx.Node, node: fx.Node, n: int) -> Step | None:
     other = _other_arg(value, node)
     if isinstance(other, numbers.Real) and not isinstance(other, bool) and math.isfinite(other):
         return Step("scale", [node], scalar=float(other))
-    if operand_kind(other, val(value), n=None) is Operand.FULL:
-        return Step("mul", [node], operand=other)
-    return None
+    kind = operand_kind(other, val(value), n)
+    return Step(_MUL_STEPS[kind], [node], operand=other) if kind in _MUL_STEPS else None
 
 
 def operand_kind(other: object, value: torch.Tensor | None, n: int | None) -> Operand | None:
-    """ROW for a length-N vector (any leading 1s), FULL for the value's exact shape, else None."""
+    """How a float tensor ``other`` broadcasts against the [.., N] ``value``, in this order of preference:
+    FULL (the value's exact shape), ROW (a length-N vector, any leading 1s), COL (one entry per row,
+    [.., 1]), ELEMENT (a single element); None for anything else."""
     t = val(other) if isinstance(other, fx.Node) else None
     if t is None or value is None or t.dtype not in SUPPORTED_DTYPES.values():
         return None
     if same_shape(t.shape, value.shape):
         return Operand.FULL
-    if n is not None and t.dim() >= 1 and statically_known_true(t.shape[-1] == n) and all(
-        statically_known_true(d == 1) for d in t.shape[:-1]
-    ):
+    if n is None or t.dim() > value.dim():
+        return None
+    ones = all(statically_known_true(d == 1) for d in t.shape[:-1])
+    if t.dim() >= 1 and statically_known_true(t.shape[-1] == n) and ones:
         return Operand.ROW
+    if t.dim() == value.dim() and same_shape(t.shape[:-1], value.shape[:-1]) and statically_known_true(t.shape[-1] == 1):
+        return Operand.COL
+    if all(statically_known_true(d == 1) for d in t.shape):
+        return Operand.ELEMENT
     return None
 
 

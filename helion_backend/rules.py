@@ -33,10 +33,11 @@ import torch
 
 from .vocabulary import (
     CONSTRAINT_NAMES,
+    DEFAULT_KERNEL_FAMILY,
     EPILOGUE_STEPS,
     KERNEL_FAMILIES,
     PROLOGUE_STEPS,
-    SUPPORTED_DTYPES,
+    RULE_DTYPES,
     Anchor,
 )
 
@@ -117,6 +118,10 @@ class Rule:
     def accepted_prefix(self, steps: Sequence[str]) -> int | None:
         """Length of the longest prefix of ``steps`` the epilogue pattern accepts, or None."""
         return _longest_accepted_prefix(self.epilogue, steps)
+
+    def accepts_prologue(self, steps: Sequence[str]) -> bool:
+        """Whether the prologue pattern accepts exactly ``steps`` (a site's prologue is never cut)."""
+        return _longest_accepted_prefix(self.prologue, steps) == len(steps)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -239,14 +244,23 @@ def _parse_rule(table: dict[str, Any], index: int, locate: _Locator) -> Rule:
     if not anchors:
         raise fail("anchor", "anchor list is empty")
 
-    dtype_names = _string_list(table, "dtypes", fail) if "dtypes" in table else list(SUPPORTED_DTYPES)
-    for d in dtype_names:
-        if d not in SUPPORTED_DTYPES:
-            raise fail("dtypes", f"unsupported dtype {d!r}; valid dtypes are {sorted(SUPPORTED_DTYPES)}")
 
-    kernel = _typed(table, "kernel", str, fail) if "kernel" in table else KERNEL_FAMILIES[0]
+    kernel = _typed(table, "kernel", str, fail) if "kernel" in table else DEFAULT_KERNEL_FAMILY
     if kernel not in KERNEL_FAMILIES:
         raise fail("kernel", f"unknown kernel family {kernel!r}; valid families are {list(KERNEL_FAMILIES)}")
+    family = KERNEL_FAMILIES[kernel]
+    dtype_names = _string_list(table, "dtypes", fail) if "dtypes" in table else list(family.dtypes)
+    for d in dtype_names:
+        if d not in RULE_DTYPES:
+            raise fail("dtypes", f"unsupported dtype {d!r}; valid dtypes are {sorted(RULE_DTYPES)}")
+    wrong_dtypes = [d for d in dtype_names if d not in family.dtypes]
+    if wrong_dtypes:
+        raise fail("dtypes", f"kernel family {kernel!r} multiplies {list(family.dtypes)}, not {wrong_dtypes}")
+    prologue = _patterns(table, "prologue", PROLOGUE_STEPS, fail)
+    wrong_steps = sorted({c for p in prologue for c in p.choices} - set(family.prologue))
+    if wrong_steps:
+        raise fail("prologue", f"kernel family {kernel!r} runs prologue steps {list(family.prologue) or 'none'}, "
+                               f"not {wrong_steps}")
     priority = _typed(table, "priority", int, fail) if "priority" in table else 0
     if abs(priority) > 1_000_000:
         raise fail("priority", f"priority {_QUOTE.repr(priority)} is out of range (|priority| <= 1000000)")
@@ -255,9 +269,9 @@ def _parse_rule(table: dict[str, Any], index: int, locate: _Locator) -> Rule:
         name=name,
         source=locate.key(index, None),
         anchors=frozenset(anchors),
-        prologue=_patterns(table, "prologue", PROLOGUE_STEPS, fail),
+        prologue=prologue,
         epilogue=_patterns(table, "epilogue", EPILOGUE_STEPS, fail),
-        dtypes=frozenset(SUPPORTED_DTYPES[d] for d in dtype_names),
+        dtypes=frozenset(RULE_DTYPES[d] for d in dtype_names),
         where=tuple(_constraint(t, fail) for t in _string_list(table, "where", fail)),
         priority=priority,
         kernel=kernel,

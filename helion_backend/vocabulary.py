@@ -17,7 +17,9 @@ class Operand(enum.Enum):
 
     NONE = "none"
     SCALAR = "scalar"  # a Python float, carried in the op's ``scalars`` list
-    ROW = "row"  # a length-N vector broadcast over the M rows (bias)
+    ROW = "row"  # a length-N vector broadcast over the M rows (bias, per-channel scales)
+    COL = "col"  # a length-M column [M, 1] broadcast over the N columns (per-token scales)
+    ELEMENT = "element"  # a one-element tensor broadcast everywhere (per-tensor scales)
     FULL = "full"  # a tensor with the output's shape [M, N] (residual, mul)
 
 
@@ -26,6 +28,7 @@ class StepKind:
     name: str
     operand: Operand
     doc: str
+    multiplies: bool = False  # a tensor operand multiplies the value (else it is added)
 
 
 # Unary activations. Their fp32 formulas live in :mod:`helion_backend.epilogue`; the matcher
@@ -38,15 +41,37 @@ EPILOGUE_STEPS: dict[str, StepKind] = {
         StepKind("bias", Operand.ROW, "add a length-N vector to every row"),
         StepKind("residual", Operand.FULL, "add a tensor of the output's shape"),
         StepKind("scale", Operand.SCALAR, "multiply by a Python scalar"),
-        StepKind("mul", Operand.FULL, "multiply elementwise by a tensor of the output's shape"),
+        StepKind("mul", Operand.FULL, "multiply elementwise by a tensor of the output's shape", True),
+        StepKind("token_scale", Operand.COL, "multiply each row by its own scale ([M, 1])", True),
+        StepKind("channel_scale", Operand.ROW, "multiply each column by its own scale ([N])", True),
+        StepKind("tensor_scale", Operand.ELEMENT, "multiply by a one-element tensor", True),
+        StepKind("act_scale", Operand.NONE, "multiply each row by the scale the fused activation "
+                 "quantization computed (a token_scale whose operand the prologue produces)", True),
         *(StepKind(name, Operand.NONE, f"apply {name}") for name in ACTIVATIONS),
         StepKind("cast", Operand.NONE, "change the output dtype (the epilogue itself runs in fp32)"),
     )
 }
 
-# Prologue steps (activation quantization, weight dequantization, casts) arrive with the quantized
-# kernels; rule files may already carry an empty ``prologue`` list.
-PROLOGUE_STEPS: dict[str, StepKind] = {}
+# Steps that only scale the accumulator: they commute with each other (up to fp32 rounding), so the
+# fused activation quantization may take its ``act_scale`` from behind them.
+SCALING_STEPS = frozenset(s.name for s in EPILOGUE_STEPS.values() if s.multiplies and s.name != "mul")
+
+# Prologue steps: what happens to the GEMM's operands before the multiply, inside the kernel.
+QUANT_DTYPES: dict[str, torch.dtype] = {"float8_e4m3fn": torch.float8_e4m3fn, "int8": torch.int8}
+PROLOGUE_STEPS: dict[str, StepKind] = {
+    step.name: step
+    for step in (
+        *(StepKind(f"quant_{short}_per_token", Operand.NONE,
+                   f"quantize the activation to {name} with a dynamic per-token scale (amax over K)")
+          for short, name in (("fp8", "float8_e4m3fn"), ("int8", "int8"))),
+        StepKind("dequant_int8", Operand.NONE, "convert an int8 weight to the activation's dtype"),
+    )
+}
+
+
+def activation_quant_step(dtype: torch.dtype) -> str:
+    """The prologue step name for dynamic per-token quantization to ``dtype``."""
+    return {torch.float8_e4m3fn: "quant_fp8_per_token", torch.int8: "quant_int8_per_token"}[dtype]
 
 
 class Anchor(enum.Enum):
@@ -55,11 +80,15 @@ class Anchor(enum.Enum):
     MM = "mm"  # aten.mm with a [K, N] right-hand side
     ADDMM = "addmm"  # aten.addmm, i.e. mm whose first epilogue step is a bias
     LINEAR = "linear"  # mm/addmm whose weight is an [N, K] tensor seen through permute([1, 0])
+    SCALED_MM = "scaled_mm"  # aten._scaled_mm (fp8): its scales and bias become leading epilogue steps
+    INT_MM = "int_mm"  # aten._int_mm (int8 x int8 -> int32)
 
 
 ANCHOR_OPS: dict[str, torch._ops.OpOverload] = {
     "mm": torch.ops.aten.mm.default,
     "addmm": torch.ops.aten.addmm.default,
+    "scaled_mm": torch.ops.aten._scaled_mm.default,
+    "int_mm": torch.ops.aten._int_mm.default,
 }
 
 SUPPORTED_DTYPES: dict[str, torch.dtype] = {
@@ -68,11 +97,33 @@ SUPPORTED_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
 }
 
+# Input dtypes a rule may name: the float ones above, and the quantized ones a GEMM may take.
+RULE_DTYPES: dict[str, torch.dtype] = {**SUPPORTED_DTYPES, **QUANT_DTYPES}
+
 # Names a rule's ``where`` constraints may use.
 CONSTRAINT_NAMES = ("m", "k", "n")
 
+@dataclass(frozen=True)
+class KernelFamily:
+    """What one kernel family multiplies: its GEMM input dtypes and the prologue steps it runs."""
+
+    name: str
+    dtypes: tuple[str, ...]
+    prologue: tuple[str, ...] = ()
+    needs_prologue: bool = False  # e.g. the weight-only kernel exists for its dequantization
+
+
 # Kernel families a rule may name; the kernels package registers an implementation for each.
-KERNEL_FAMILIES = ("gemm",)
+KERNEL_FAMILIES: dict[str, KernelFamily] = {
+    family.name: family
+    for family in (
+        KernelFamily("gemm", tuple(SUPPORTED_DTYPES)),
+        KernelFamily("gemm_fp8", ("float8_e4m3fn",), ("quant_fp8_per_token",)),
+        KernelFamily("gemm_int8", ("int8",), ("quant_int8_per_token",)),
+        KernelFamily("gemm_weight_only", tuple(SUPPORTED_DTYPES), ("dequant_int8",), needs_prologue=True),
+    )
+}
+DEFAULT_KERNEL_FAMILY = "gemm"
 
 
 def dtype_name(dtype: torch.dtype) -> str:

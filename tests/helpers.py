@@ -47,6 +47,12 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
+def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio of ``out`` against ``ref`` in dB (inf when they are equal)."""
+    ref, out = ref.double(), out.double()
+    return (10 * torch.log10(ref.pow(2).sum() / (ref - out).pow(2).sum())).item()
+
+
 def randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.randn(*shape, dtype=dtype)
 

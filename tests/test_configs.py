@@ -32,8 +32,8 @@ def test_shipped_h200_table_loads_every_entry():
     configs._table.cache_clear()
     table = configs._table("nvidia_h200")
     assert table, "the shipped H200 table is missing or invalid"
-    for (dtype, k, n), entries in table.items():
-        assert dtype == "bfloat16" and k > 0 and n > 0
+    for (kernel, dtype, k, n), entries in table.items():
+        assert kernel == "gemm" and dtype == "bfloat16" and k > 0 and n > 0
         assert all(isinstance(e.config, helion.Config) and e.config["block_sizes"][0] in (16, 32) for e in entries)
         assert [e.m for e in entries] == sorted(e.m for e in entries)
 

@@ -40,7 +40,7 @@ import helion_backend
 from helion_backend.options import BackendOptions
 from helion_backend.report import GraphReport, SiteReport
 from helion_backend.rules import builtin_rule_files, load_rules
-from helion_backend.vocabulary import ACTIVATIONS
+from helion_backend.vocabulary import ACTIVATIONS, DEFAULT_KERNEL_FAMILY
 
 NUM_PROGRAMS = int(os.environ.get("HELION_INDUCTOR_FUZZ_PROGRAMS", "300"))
 BASE_SEED = int(os.environ.get("HELION_INDUCTOR_FUZZ_SEED", "0"))
@@ -61,7 +61,8 @@ GEMMS = {
 }
 TWO_D_ONLY = {"addmm", "addmm_t", "addmm_full", "addmm_scaled"}
 UNANCHORED = {"addmm_scaled"}
-SHIPPED_RULES = load_rules(builtin_rule_files())
+# The rules these float programs can meet (the quantized rules need fp8/int8 GEMMs or an int8 weight).
+SHIPPED_RULES = [r for r in load_rules(builtin_rule_files()) if r.kernel == DEFAULT_KERNEL_FAMILY]
 
 # Pointwise steps: name -> the vocabulary step it is, or None outside the vocabulary. Several spell
 # one activation differently (the matcher identifies activations by meaning).

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from helpers import TORCH_ACTIVATIONS
 
-from helion_backend.epilogue import ACTIVATION_FORMULAS, apply_epilogue, format_epilogue, parse_epilogue
+from helion_backend.epilogue import ACTIVATION_FORMULAS, apply_epilogue, format_steps, parse_epilogue
 
 
 @pytest.mark.parametrize("name", sorted(ACTIVATION_FORMULAS))
@@ -21,7 +21,7 @@ def test_steps_consume_operands_and_scalars_in_order():
     out = apply_epilogue(acc, steps, [bias, gate, residual].__getitem__, [0.5, -2.0])
     expected = F.silu(acc + bias.double()) * 0.5 * gate.double() * -2.0 + residual.double()
     torch.testing.assert_close(out, expected)
-    assert format_epilogue(steps) == "bias,silu,scale,mul,scale,residual,cast"
+    assert format_steps(steps) == "bias,silu,scale,mul,scale,residual,cast"
 
 
 def test_unknown_step_is_refused_with_the_valid_ones():

@@ -185,3 +185,65 @@ def test_compiles_once_and_scalars_are_runtime_values():
 def test_rejects_malformed_epilogue_arguments(steps, operands, scalars, match):
     with pytest.raises(ValueError, match=match):
         gemm_epilogue_helion(torch.randn(2, 4), torch.randn(4, 8), steps, operands, scalars, torch.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# Quantized kernels: the activation quantization is recorded from a traced function, as the matcher
+# records it from a model's graph, and the kernel must compute what the unfused graph computes.
+
+
+def program_from(quantize_fn, x: torch.Tensor):
+    """The recorded program of ``quantize_fn(x) -> (x_quantized, scale)``, traced as Inductor sees it."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from helion_backend.quant_patterns import activation_quant
+
+    gm = make_fx(quantize_fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(x)
+    quantized, scale = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    found = activation_quant(quantized, scale)
+    assert found is not None, gm.graph
+    return found.program
+
+
+def int8_per_token(x):
+    """W8A8's quantization, truncating instead of rounding: the interpreter lacks libdevice's rint
+    (the rounding form runs in test_gpu_kernels.py), and its fp8 loads are wrong, so fp8 runs there too."""
+    amax, _ = x.abs().max(dim=-1, keepdim=True)
+    scale = (amax.to(torch.float32) * (1 / 127.0)).clamp(min=1e-5)
+    return (x.to(torch.float32) * scale.reciprocal()).clamp(-128, 127).to(torch.int8), scale
+
+
+QUANT_STEPS = ("act_scale", "channel_scale", "bias", "relu")
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_dynamic_int8_kernel_matches_the_unfused_graph(split_k):
+    from helion_backend.dispatch import reference
+    from helion_backend.kernels.quant_gemm import quant_gemm_helion
+
+    m, k, n = 5, 600, 40
+    x = torch.randn(m, k)
+    w_kn = torch.randint(-128, 128, (n, k), dtype=torch.int8).t()
+    program = program_from(int8_per_token, x)
+    operands = [torch.rand(n) + 0.5, torch.randn(n)]
+    config = helion.Config(block_sizes=BLOCKS, num_warps=4, num_stages=1, split_k=split_k)
+    out = quant_gemm_helion(x, w_kn, QUANT_STEPS, operands, [], torch.float32, program, config=config)
+    ref = reference(x, w_kn, QUANT_STEPS, operands, [], torch.float32, program)
+    assert rel_err(out, ref.double()) <= 1e-5
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_weight_only_int8_kernel(layout):
+    from helion_backend.kernels.quant_gemm import quant_gemm_helion
+
+    m, k, n = 3, 300, 40
+    x = torch.randn(m, k)
+    w = torch.randint(-128, 128, (k, n) if layout == "kn" else (n, k), dtype=torch.int8)
+    w_kn = w if layout == "kn" else w.t()
+    scale, bias = torch.rand(n), torch.randn(n)
+    config = helion.Config(block_sizes=BLOCKS, num_warps=4, num_stages=1, split_k=1)
+    steps = ("channel_scale", "bias", "silu")
+    out = quant_gemm_helion(x, w_kn, steps, [scale, bias], [], torch.float32, config=config,
+                            kernel_family="gemm_weight_only")
+    assert rel_err(out, float64_reference(x, w_kn.double(), steps, [scale, bias], [])) <= 1e-5

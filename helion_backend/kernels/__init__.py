@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
 
+from ..quant_program import QuantProgram
 from ..vocabulary import KERNEL_FAMILIES
 from .gemm import gemm_epilogue_helion
+from .quant_gemm import quant_gemm_helion
 
-KERNELS: dict[str, Callable[..., torch.Tensor]] = {"gemm": gemm_epilogue_helion}
+KERNELS: dict[str, Callable[..., torch.Tensor]] = {
+    "gemm": gemm_epilogue_helion,
+    **{family: functools.partial(quant_gemm_helion, kernel_family=family)
+       for family in ("gemm_fp8", "gemm_int8", "gemm_weight_only")},
+}
 assert KERNELS.keys() == set(KERNEL_FAMILIES)
 
 
@@ -22,10 +29,13 @@ def run_kernel(
     scalars: Sequence[float],
     out_dtype: torch.dtype,
     config_dir: str | None = None,
+    program: QuantProgram | None = None,
 ) -> torch.Tensor:
     """Run the ``kernel`` family's Helion implementation with the config tables' pick for the shape
-    (user-tuned ones in ``config_dir`` first)."""
+    (user-tuned ones in ``config_dir`` first); ``program`` is a fused activation quantization."""
+    if program is not None:
+        return KERNELS[kernel](x, w_kn, steps, operands, scalars, out_dtype, program, config_dir=config_dir)
     return KERNELS[kernel](x, w_kn, steps, operands, scalars, out_dtype, config_dir=config_dir)
 
 
-__all__ = ["KERNELS", "gemm_epilogue_helion", "run_kernel"]
+__all__ = ["KERNELS", "gemm_epilogue_helion", "quant_gemm_helion", "run_kernel"]

@@ -56,7 +56,8 @@ def _split_k(m_tiles: int, n_tiles: int, k: int) -> int:
 @functools.cache  # called on every kernel launch without an explicit config
 def default_config(m: int, k: int, n: int, dtype: torch.dtype) -> helion.Config:
     """A config for :func:`helion_backend.kernels.gemm.gemm_kernel` at this shape; never autotuned."""
-    # fp32 tiles take twice the shared memory of 16-bit ones: halve the K block to keep the stages.
+    # fp32 tiles take twice the shared memory of 16-bit ones: halve the K block to keep the stages
+    # (fp8/int8 GEMMs keep the 16-bit block: the quantized kernel stages its activation in 16 bits).
     k_scale = 2 if dtype == torch.float32 else 1
     if m <= _DECODE_MAX_M:
         # Narrow N tiles and deep K blocks won most decode keys of the H200 sweep (tuned/nvidia_h200.json).
@@ -97,7 +98,7 @@ class TunedEntry(NamedTuple):
     helion_wins: bool | None
 
 
-TableKey = tuple[str, int, int]  # (dtype, K, N)
+TableKey = tuple[str, str, int, int]  # (kernel family, GEMM input dtype, K, N)
 
 
 def _read_table(path: Path) -> dict[TableKey, list[TunedEntry]]:
@@ -107,7 +108,7 @@ def _read_table(path: Path) -> dict[TableKey, list[TunedEntry]]:
     table: dict[TableKey, list[TunedEntry]] = {}
     try:
         for entry in json.loads(path.read_text())["entries"]:
-            key = (entry["dtype"], int(entry["k"]), int(entry["n"]))
+            key = (entry.get("kernel", "gemm"), entry["dtype"], int(entry["k"]), int(entry["n"]))
             wins = entry.get("helion_wins")
             tuned = TunedEntry(int(entry["m"]), helion.Config(**entry["config"]), None if wins is None else bool(wins))
             table.setdefault(key, []).append(tuned)
@@ -119,7 +120,7 @@ def _read_table(path: Path) -> dict[TableKey, list[TunedEntry]]:
 
 @functools.cache
 def _table(gpu: str, user_dir: str | None = None) -> dict[TableKey, list[TunedEntry]]:
-    """(dtype, K, N) -> entries sorted by M: the shipped table, overridden M by M by the user's."""
+    """(kernel, dtype, K, N) -> entries sorted by M: the shipped table, overridden M by M by the user's."""
     merged: dict[TableKey, dict[int, TunedEntry]] = {}
     for directory in (TUNED_DIR, *([Path(user_dir)] if user_dir else [])):
         for key, entries in _read_table(directory / f"{gpu}.json").items():
@@ -127,20 +128,24 @@ def _table(gpu: str, user_dir: str | None = None) -> dict[TableKey, list[TunedEn
     return {key: sorted(by_m.values(), key=lambda e: e.m) for key, by_m in merged.items()}
 
 
-def _entries(k: int, n: int, dtype: torch.dtype, device: torch.device, user_dir: str | None) -> list[TunedEntry]:
+def _entries(
+    k: int, n: int, dtype: torch.dtype, device: torch.device, user_dir: str | None, kernel: str
+) -> list[TunedEntry]:
     if device.type != "cuda":
         return []
-    return _table(gpu_key(device), user_dir).get((str(dtype).removeprefix("torch."), k, n), [])
+    return _table(gpu_key(device), user_dir).get((kernel, str(dtype).removeprefix("torch."), k, n), [])
 
 
 @functools.cache
 def config_for(
-    m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, user_dir: str | None = None
+    m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, user_dir: str | None = None,
+    kernel: str = "gemm",
 ) -> helion.Config:
-    """The tuned config for the smallest tuned M >= m at this (K, N), else the largest tuned M, else
-    :func:`default_config`. ``user_dir`` holds user-tuned tables that override the shipped ones.
-    Memoized: the hot path pays one dict lookup (a table written later is read by the next process)."""
-    entries = _entries(k, n, dtype, device, user_dir)
+    """The tuned config of the ``kernel`` family for the smallest tuned M >= m at this (K, N), else the
+    largest tuned M, else :func:`default_config`. ``user_dir`` holds user-tuned tables that override the
+    shipped ones. Memoized: the hot path pays one dict lookup (a table written later is read by the
+    next process)."""
+    entries = _entries(k, n, dtype, device, user_dir, kernel)
     if not entries:
         return default_config(m, k, n, dtype)
     for entry in entries:
@@ -151,12 +156,12 @@ def config_for(
 
 @functools.cache
 def measured_crossover(
-    k: int, n: int, dtype: torch.dtype, device: torch.device, user_dir: str | None = None
+    k: int, n: int, dtype: torch.dtype, device: torch.device, user_dir: str | None = None, kernel: str = "gemm"
 ) -> int | None:
     """The largest tuned M below the first tuned M at which Helion lost to cuBLAS + Inductor at this
     (K, N) (0 if it lost at the smallest); None where the tables record no loss for the shape."""
     crossover = 0
-    for entry in _entries(k, n, dtype, device, user_dir):
+    for entry in _entries(k, n, dtype, device, user_dir, kernel):
         if entry.helion_wins is False:
             return crossover
         crossover = entry.m

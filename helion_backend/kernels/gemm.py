@@ -140,6 +140,12 @@ def _check_signature(sig: _Signature) -> None:
         raise ValueError(
             f"x and w_kn must share one of {SUPPORTED_INPUT_DTYPES}, got {sig.x.dtype}, {sig.w.dtype}"
         )
+    _check_operands(sig)
+
+
+@functools.cache
+def _check_operands(sig: _Signature) -> None:
+    """The epilogue's steps, operands and scalars against what it reads (for every kernel family)."""
     unknown = [s for s in sig.steps if s not in EPILOGUE_STEPS]
     if unknown:
         raise ValueError(f"unknown epilogue step(s) {unknown}")
@@ -150,7 +156,7 @@ def _check_signature(sig: _Signature) -> None:
             f"scalar(s), got {len(sig.operands)} and {sig.num_scalars}"
         )
     m, n = sig.x.shape[0], sig.w.shape[1]
-    expected = {Operand.ROW: (n,), Operand.FULL: (m, n)}
+    expected = {Operand.ROW: (n,), Operand.ELEMENT: (n,), Operand.COL: (m, n), Operand.FULL: (m, n)}
     for i, (kind, operand) in enumerate(zip(kinds, sig.operands)):
         if operand.shape != expected[kind]:
             raise ValueError(

@@ -15,6 +15,7 @@ import torch.fx as fx
 
 if TYPE_CHECKING:
     from ..options import BackendOptions
+    from ..quant_program import QuantProgram
     from ..report import GraphReport
     from ..rules import Rule
 
@@ -43,22 +44,45 @@ class GemmSite:
 
     anchor: fx.Node
     forms: frozenset[str]  # anchor vocabulary names this GEMM answers to (mm / addmm / linear)
-    x: fx.Node  # the [M, K] activation
-    weight: fx.Node  # the weight tensor as stored
+    x: fx.Node  # the [M, K] activation (with a fused activation quantization: its float input)
+    weight: fx.Node  # the weight tensor as stored (with a fused dequantization: the int8 tensor)
     weight_layout: str  # "kn" (used as is) or "nk" (seen through permute([1, 0]))
     m: Dim
     k: int
     n: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the GEMM's input dtype (float8_e4m3fn/int8 for a quantized GEMM)
     device: torch.device
-    leading_steps: list[Step] = field(default_factory=list)  # addmm's bias, folded into the chain
+    leading_steps: list[Step] = field(default_factory=list)  # addmm's bias, _scaled_mm's scales
     chain: list[Step] = field(default_factory=list)
+    # Fused prologue steps, and for an activation quantization its program (x is then the float input).
+    prologue: list[Step] = field(default_factory=list)
+    quant_program: QuantProgram | None = None
+    # What fusing the prologue changed (attribute -> old value): undone when no rule takes it.
+    undo_prologue: list[dict[str, object]] = field(default_factory=list)
     rule: Rule | None = None
     reason: str | None = None  # why no rule applies, or why the site is not rewritten
     notes: list[str] = field(default_factory=list)  # what legality cut, and why
     runs_on: str = "inductor"
     helion_limit: int = 0  # the largest M that runs the Helion kernel (set by rewrite)
     fused: fx.Node | None = None
+
+    def fuse_prologue(self, step: Step, **changes: object) -> None:
+        """Take ``step`` into the prologue, changing operands or chain steps as ``changes`` say."""
+        self.undo_prologue.append({name: getattr(self, name) for name in changes})
+        self.prologue = [*self.prologue, step]
+        for name, value in changes.items():
+            setattr(self, name, value)
+
+    def drop_prologue(self) -> None:
+        """Put the operands back as they were before any prologue was fused. A chain step the prologue
+        renamed (``act_scale``) gets its original back, wherever legality has cut the chain since."""
+        for changes in reversed(self.undo_prologue):
+            for name, value in changes.items():
+                if name == "chain":
+                    originals = {id(new): old for new, old in zip(self.chain, value) if new is not old}
+                    value = [originals.get(id(step), step) for step in self.chain]
+                setattr(self, name, value)
+        self.prologue, self.quant_program, self.undo_prologue = [], None, []
 
     @property
     def steps(self) -> list[Step]:

@@ -136,7 +136,7 @@ def _site_report(site: GemmSite) -> SiteReport:
         rule=site.rule.name,
         anchor=site.anchor.name,
         anchor_op=str(site.anchor.target),
-        prologue=[],
+        prologue=[s.name for s in site.prologue],
         epilogue=[s.name for s in site.steps],
         kernel=site.rule.kernel,
         runs_on=site.runs_on,

@@ -1,11 +1,18 @@
-"""Match: follow each GEMM's epilogue through the graph and pick the rule that fuses most of it."""
+"""Match: follow each GEMM's epilogue through the graph and pick the rule that fuses most of it.
+
+A quantized GEMM whose input was quantized per token just before it takes that quantization as its
+prologue: the kernel then reads the float activation, and the ``token_scale`` step that rescales
+the rows by the quantization's own scale becomes ``act_scale`` (the kernel knows that scale).
+"""
 
 from __future__ import annotations
 
 from typing import Sequence
 
 from ..patterns import next_step, val
+from ..quant_patterns import activation_quant
 from ..rules import Rule
+from ..vocabulary import KERNEL_FAMILIES, QUANT_DTYPES, SCALING_STEPS, activation_quant_step
 from .context import GemmSite, PassContext, Step
 
 _MAX_CHAIN = 32
@@ -14,7 +21,27 @@ _MAX_CHAIN = 32
 def run(ctx: PassContext) -> None:
     for site in ctx.sites:
         site.chain = site.leading_steps + _follow(site)
+        _fuse_activation_quant(site)
         choose_rule(site, ctx.rules)
+
+
+def _fuse_activation_quant(site: GemmSite) -> None:
+    if site.dtype not in QUANT_DTYPES.values():
+        return
+    i = next((i for i, step in enumerate(site.chain) if step.name == "token_scale"), None)
+    # The rows' scale moves to right after the GEMM: it must commute with every step before it.
+    if i is None or not all(s.transparent or s.name in SCALING_STEPS or s.name == "cast" for s in site.chain[:i]):
+        return
+    step = site.chain[i]
+    found = activation_quant(site.x, step.operand)
+    if found is None:
+        return
+    chain = list(site.chain)
+    chain[i] = Step("act_scale", step.nodes)
+    site.fuse_prologue(
+        Step(activation_quant_step(found.program.quant_dtype), list(found.nodes)),
+        x=found.x, quant_program=found.program, chain=chain,
+    )
 
 
 def _follow(site: GemmSite) -> list[Step]:
@@ -33,11 +60,18 @@ def _follow(site: GemmSite) -> list[Step]:
 def choose_rule(site: GemmSite, rules: Sequence[Rule]) -> None:
     """Give ``site`` the best applicable rule (priority, then length) and cut its chain to fit.
 
-    With no applicable rule the site keeps ``rule=None`` and a reason naming each rule's objection.
+    A site with a prologue no rule takes (or whose epilogue lost the prologue's scale step) drops the
+    prologue and tries again. With no applicable rule the site keeps ``rule=None`` and a reason naming
+    each rule's objection.
     """
+    all_rules = rules
     names = [s.name for s in site.chain if not s.transparent]
     best: tuple[tuple[int, int], Rule, int] | None = None
     objections = []
+    prologue = [s.name for s in site.prologue]
+    if prologue and "act_scale" not in names and site.quant_program is not None:
+        objections.append(f"prologue [{', '.join(prologue)}]: its scale step is not in the fused epilogue")
+        rules = ()
     for rule in rules:
         problem, accepted = _check(rule, site, names)
         if problem:
@@ -46,6 +80,11 @@ def choose_rule(site: GemmSite, rules: Sequence[Rule]) -> None:
         key = (rule.priority, accepted)
         if best is None or key > best[0]:
             best = (key, rule, accepted)
+    if best is None and site.prologue:
+        site.notes.append("prologue [" + ", ".join(prologue) + "] not fused: " + "; ".join(objections))
+        site.drop_prologue()
+        choose_rule(site, all_rules)
+        return
     if best is None:
         site.rule = None
         site.reason = "no rule applies (" + "; ".join(objections or ["no rules loaded"]) + ")"
@@ -60,6 +99,11 @@ def _check(rule: Rule, site: GemmSite, names: list[str]) -> tuple[str | None, in
         return f"anchor {sorted(site.forms)} not in {sorted(rule.anchors)}", 0
     if site.dtype not in rule.dtypes:
         return f"dtype {site.dtype} not allowed", 0
+    prologue = [s.name for s in site.prologue]
+    if KERNEL_FAMILIES[rule.kernel].needs_prologue and not prologue:
+        return f"kernel {rule.kernel} needs a prologue", 0
+    if not rule.accepts_prologue(prologue):
+        return f"prologue [{', '.join(prologue)}] does not fit [{', '.join(map(str, rule.prologue))}]", 0
     values = {"m": site.static_m, "k": site.k, "n": site.n}
     for constraint in rule.where:
         holds = constraint.holds(values)
@@ -68,7 +112,7 @@ def _check(rule: Rule, site: GemmSite, names: list[str]) -> tuple[str | None, in
         if not holds:
             return f"'{constraint.text}' is false for m={site.m}, k={site.k}, n={site.n}", 0
     accepted = rule.accepted_prefix(names)
-    leading = len(site.leading_steps)
+    leading = sum(not s.transparent for s in site.leading_steps)
     if accepted is None or accepted < leading:
         got = ", ".join(names) or "none"
         return f"epilogue [{got}] does not fit [{', '.join(map(str, rule.epilogue))}]", 0

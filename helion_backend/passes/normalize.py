@@ -1,9 +1,12 @@
 """Normalize: find every GEMM and describe it in one canonical form.
 
-``mm(x, w)``, ``mm(x, permute(w, [1, 0]))`` (nn.Linear's weight), ``addmm(b, x, ...)`` and the 2-D view
-that ``F.linear`` puts in front of a 3-D activation all become a :class:`GemmSite` with the activation,
-the weight as stored plus its layout, and, for addmm, its bias as a leading epilogue step. The graph
-is not changed: a site that is not fused keeps its original form, which Inductor knows best.
+``mm(x, w)``, ``mm(x, permute(w, [1, 0]))`` (nn.Linear's weight), ``addmm(b, x, ...)``,
+``_scaled_mm(xq, wq, scale_a, scale_b, bias)`` and ``_int_mm(xq, wq)``, and the 2-D view that
+``F.linear`` puts in front of a 3-D activation, all become a :class:`GemmSite` with the activation, the
+weight as stored plus its layout, and what the anchor itself applies after the multiply (addmm's
+bias; _scaled_mm's scales and bias) as leading epilogue steps. An int8 weight converted to the
+activation's dtype on its way in is a ``dequant_int8`` prologue. The graph is not changed: a site
+that is not fused keeps its original form, which Inductor knows best.
 """
 
 from __future__ import annotations
@@ -16,11 +19,19 @@ from ..vocabulary import ANCHOR_OPS, SUPPORTED_DTYPES, Anchor, Operand
 from .context import GemmSite, PassContext, Step
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 
 _TRANSPOSES = {aten.permute.default, aten.t.default}
 # GEMMs that exist in graphs but that no rule can anchor on yet: reported, never rewritten.
-_OTHER_GEMMS = {aten.bmm.default, aten.baddbmm.default, aten._scaled_mm.default, aten._int_mm.default}
+_OTHER_GEMMS = {aten.bmm.default, aten.baddbmm.default}
 _OP_NAMES = {op: name for name, op in ANCHOR_OPS.items()}
+# What each anchor multiplies, by input dtype.
+_INPUT_DTYPES = {
+    Anchor.MM: tuple(SUPPORTED_DTYPES.values()),
+    Anchor.ADDMM: tuple(SUPPORTED_DTYPES.values()),
+    Anchor.SCALED_MM: (torch.float8_e4m3fn,),
+    Anchor.INT_MM: (torch.int8,),
+}
 
 
 def run(ctx: PassContext) -> None:
@@ -38,8 +49,11 @@ def run(ctx: PassContext) -> None:
 
 
 def _describe(node: fx.Node) -> GemmSite | str:
-    is_addmm = node.target is ANCHOR_OPS[Anchor.ADDMM.value]
-    x, rhs = node.args[1:3] if is_addmm else node.args[:2]
+    anchor = Anchor(_OP_NAMES[node.target])
+    x, rhs = node.args[1:3] if anchor is Anchor.ADDMM else node.args[:2]
+    unpad = _row_padding(node, x) if anchor is Anchor.INT_MM else None
+    if unpad is not None:
+        x = x.args[0]
     x_val, rhs_val, out_val = val(x), val(rhs), val(node)
     if x_val is None or rhs_val is None or out_val is None:
         return "operands carry no shape metadata"
@@ -48,21 +62,84 @@ def _describe(node: fx.Node) -> GemmSite | str:
     n = rhs_val.shape[1]
     if not isinstance(k, int) or not isinstance(n, int):
         return f"K={k} or N={n} is dynamic; the kernels need static weight shapes"
-    if x_val.dtype != rhs_val.dtype or x_val.dtype not in SUPPORTED_DTYPES.values():
-        return f"input dtypes {x_val.dtype}/{rhs_val.dtype} are not one supported float dtype"
-    forms = {Anchor.ADDMM.value if is_addmm else Anchor.MM.value}
-    if layout == "nk":
+    if x_val.dtype != rhs_val.dtype or x_val.dtype not in _INPUT_DTYPES[anchor]:
+        return f"input dtypes {x_val.dtype}/{rhs_val.dtype} are not one of {_INPUT_DTYPES[anchor]}"
+    forms = {anchor.value}
+    if layout == "nk" and anchor in (Anchor.MM, Anchor.ADDMM):
         forms.add(Anchor.LINEAR.value)
     site = GemmSite(
         anchor=node, forms=frozenset(forms), x=x, weight=weight, weight_layout=layout,
         m=m, k=k, n=n, dtype=x_val.dtype, device=x_val.device,
     )
-    if is_addmm:
-        leading = _addmm_input_step(node, out_val, n)
-        if isinstance(leading, str):
-            return leading
-        site.leading_steps = [leading]
+    leading = _leading_steps(anchor, node, val(unpad) if unpad is not None else out_val, n)
+    if isinstance(leading, str):
+        return leading
+    site.leading_steps = leading + ([Step("unpad", [unpad], transparent=True)] if unpad is not None else [])
+    _fuse_weight_dequant(site)
     return site
+
+
+def _leading_steps(anchor: Anchor, node: fx.Node, out_val: torch.Tensor, n: int) -> list[Step] | str:
+    if anchor is Anchor.ADDMM:
+        step = _addmm_input_step(node, out_val, n)
+        return step if isinstance(step, str) else [step]
+    if anchor is Anchor.SCALED_MM:
+        return _scaled_mm_steps(node, out_val, n)
+    return []
+
+
+def _row_padding(node: fx.Node, x: fx.Node) -> fx.Node | None:
+    """``_int_mm`` on rows padded with zeros and sliced back (cuBLAS needs M > 16): the slice, if so.
+
+    Padding rows only appends zero rows to the product, so the site multiplies the unpadded rows.
+    """
+    if getattr(x, "target", None) is not aten.constant_pad_nd.default or len(node.users) != 1:
+        return None
+    pad = list(x.args[1])
+    value = x.args[2] if len(x.args) > 2 else 0
+    (user,) = node.users
+    source = val(x.args[0])
+    if source is None or value != 0 or len(pad) != 4 or pad[:3] != [0, 0, 0]:
+        return None
+    if user.target is not aten.slice.Tensor or list(user.args[1:4]) != [0, 0, source.shape[0]]:
+        return None
+    return user if (user.args[4] if len(user.args) > 4 else 1) == 1 else None
+
+
+def _scaled_mm_steps(node: fx.Node, out_val: torch.Tensor, n: int) -> list[Step] | str:
+    """``_scaled_mm``'s own epilogue as steps: scale_a, scale_b, then the bias, all on the fp32 product."""
+    scale_a, scale_b, bias, scale_result = (list(node.args[2:6]) + [None] * 4)[:4]
+    bias = node.kwargs.get("bias", bias)
+    if node.kwargs.get("scale_result", scale_result) is not None:
+        return "_scaled_mm with scale_result (fp8 output) is not fused"
+    steps = []
+    for scale, what in ((scale_a, "scale_a"), (scale_b, "scale_b")):
+        kind = operand_kind(scale, out_val, n)
+        names = {Operand.COL: "token_scale", Operand.ROW: "channel_scale", Operand.ELEMENT: "tensor_scale"}
+        if kind not in names:
+            shape = tuple(val(scale).shape) if val(scale) is not None else "?"
+            return f"_scaled_mm {what} of shape {shape} is not per-token, per-channel or per-tensor"
+        steps.append(Step(names[kind], [node], operand=scale))
+    if bias is not None:
+        if operand_kind(bias, out_val, n) is not Operand.ROW:
+            return "_scaled_mm bias is not an [N] vector"
+        steps.append(Step("bias", [node], operand=bias))
+    return steps
+
+
+def _fuse_weight_dequant(site: GemmSite) -> None:
+    """An int8 weight converted to the activation's dtype: read the int8 tensor, convert in the kernel."""
+    convert = site.weight
+    if convert.target is not prims.convert_element_type.default:
+        return
+    source, inner_layout = _see_through_transpose(convert.args[0])  # convert(permute(w)) or convert(w)
+    if inner_layout == "nk" and site.weight_layout == "nk":
+        return  # transposed twice: not a form libraries write
+    source_val = val(source)
+    if source_val is None or source_val.dtype != torch.int8 or source_val.dim() != 2:
+        return
+    layout = "nk" if "nk" in (inner_layout, site.weight_layout) else "kn"
+    site.fuse_prologue(Step("dequant_int8", [convert]), weight=source, weight_layout=layout)
 
 
 def _see_through_transpose(rhs: fx.Node) -> tuple[fx.Node, str]:

@@ -8,7 +8,7 @@ from torch._guards import detect_fake_mode
 from torch.utils._pytree import tree_leaves
 
 from .. import dispatch
-from ..epilogue import format_epilogue
+from ..epilogue import format_steps
 from ..ops import OP_NAMESPACE
 from ..patterns import val
 from ..report import site_id
@@ -38,7 +38,8 @@ def placement(site: GemmSite, ctx: PassContext) -> tuple[str, str | None]:
     Sets ``site.helion_limit``, the largest M that runs Helion at this shape.
     """
     site.helion_limit, lowered_by = dispatch.helion_size_limit(
-        site.k, site.n, site.dtype, site.device, ctx.options.max_helion_size, ctx.options.config_dir
+        site.k, site.n, site.dtype, site.device, ctx.options.max_helion_size, ctx.options.config_dir,
+        site.rule.kernel,
     )
     bound = lowered_by or f"max_helion_size={site.helion_limit}"
     if site.device.type == "cuda":
@@ -64,9 +65,11 @@ def _replace(graph: fx.Graph, site: GemmSite, config_dir: str, name: str) -> Non
         site.x,
         site.weight,
         site.weight_layout,
+        format_steps([s.name for s in site.prologue]),
+        site.quant_program.to_json() if site.quant_program is not None else "",
         [s.operand for s in steps if s.operand is not None],
         [s.scalar for s in steps if s.scalar is not None],
-        format_epilogue([s.name for s in steps]),
+        format_steps([s.name for s in steps]),
         out_val.dtype,
         site.rule.kernel,
         site.helion_limit,
@@ -76,7 +79,7 @@ def _replace(graph: fx.Graph, site: GemmSite, config_dir: str, name: str) -> Non
     with graph.inserting_before(site.output):
         fused = _call(graph, FUSED_OP, args)
         result = fused
-        reshapes = [s for s in site.chain if s.transparent]
+        reshapes = [s for s in site.chain if s.name == "reshape"]
         if reshapes:  # a 3-D F.linear: view the [M, N] result back to the shape users expect
             result = _call(graph, aten.view.default, (fused, reshapes[-1].out.args[1]))
     site.output.replace_all_uses_with(result)

@@ -1,0 +1,180 @@
+"""Quantized GEMMs as one Helion kernel each: fp8 and int8 with dynamic per-token activation quantization,
+pre-quantized inputs, and int8 weight-only.
+
+``quant_gemm_kernel`` quantizes the activation itself: for its rows it first takes the amax over all of
+K (the activation is a few hundred KB at decode sizes and stays in L2), turns it into the per-token
+scale, then quantizes each K block on its way into the tensor cores, multiplies in fp8 (fp32
+accumulator) or int8 (int32 accumulator), rescales the rows, and runs the shared epilogue on the fp32
+result before the one store. The quantization is the graph's own ops, replayed
+(:mod:`helion_backend.quant_program`), so the kernel computes what the model wrote.
+
+``lowp_gemm_kernel`` multiplies inputs as they come: fp8 x fp8 or int8 x int8 (already quantized), or a
+float activation with an int8 weight converted block by block (weight-only).
+
+Split-K works as in :mod:`.gemm`: each split stores its fp32 partial sums (already rescaled by the
+per-token scale, which distributes over the sum) and :func:`.gemm.epilogue_kernel` finishes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import helion
+import helion.language as hl
+import torch
+from helion.autotuner import PowerOfTwoFragment
+
+from .. import quant_program as program_module
+from ..quant_program import QuantProgram
+from ..vocabulary import QUANT_DTYPES, SUPPORTED_DTYPES
+from .configs import EPILOGUE_CONFIG, config_for
+from .gemm import (
+    _check_operands,
+    _compiled,
+    _Layout,
+    _Signature,
+    epilogue_kernel,
+    num_k_splits,
+    tile_epilogue,
+)
+
+
+@helion.kernel(static_shapes=True, autotune_effort="none")
+def quant_gemm_kernel(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    operands: list[torch.Tensor],
+    scalars: list[float],
+    reduced: Callable[[torch.Tensor], torch.Tensor],
+    scale_of: Callable[[torch.Tensor], torch.Tensor],
+    quantize: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    epilogue: Callable[..., torch.Tensor],
+) -> None:
+    """``out[0] = epilogue(s * (quantize(x) @ w))`` with ``split_k == 1``; else ``out[i]`` = split i's part."""
+    m, k = x.size()
+    n = w.size(1)
+    block_m = hl.register_block_size(m)
+    block_n = hl.register_block_size(n)
+    block_k = hl.register_block_size(k)
+    split_k = hl.register_tunable("split_k", PowerOfTwoFragment(1, 64, 1))
+    k_per_split = helion.cdiv(helion.cdiv(k, split_k), 256) * 256
+    acc_dtype = torch.int32 if w.dtype == torch.int8 else torch.float32
+    for tile_m, tile_n, tile_split in hl.tile([m, n, k], block_size=[block_m, block_n, k_per_split]):
+        row_max = hl.full([tile_m], float("-inf"), dtype=torch.float32)
+        for tile_k in hl.tile(k, block_size=block_k):
+            values = reduced(x[tile_m, tile_k]).to(torch.float32)
+            row_max = torch.maximum(row_max, torch.amax(values, dim=1))
+        amax = row_max[:, None]
+        scale = scale_of(amax)
+        acc = hl.zeros([tile_m, tile_n], dtype=acc_dtype)
+        for tile_k in hl.tile(tile_split.begin, tile_split.end, block_size=block_k):
+            acc = hl.dot(quantize(x[tile_m, tile_k], amax, scale), w[tile_k, tile_n], acc=acc)
+        result = acc.to(torch.float32) * scale.to(torch.float32)
+        if split_k == 1:
+            result = epilogue(result, operands, scalars, tile_m, tile_n)
+        out[tile_split.id, tile_m, tile_n] = result.to(out.dtype)
+
+
+@helion.kernel(static_shapes=True, autotune_effort="none")
+def lowp_gemm_kernel(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    operands: list[torch.Tensor],
+    scalars: list[float],
+    epilogue: Callable[..., torch.Tensor],
+) -> None:
+    """``out[0] = epilogue(x @ w)`` for fp8/int8 inputs, or a float x with an int8 w converted in the loop."""
+    m, k = x.size()
+    n = w.size(1)
+    split_k = hl.register_tunable("split_k", PowerOfTwoFragment(1, 64, 1))
+    k_per_split = helion.cdiv(helion.cdiv(k, split_k), 256) * 256
+    acc_dtype = torch.int32 if x.dtype == torch.int8 else torch.float32
+    for tile_m, tile_n, tile_split in hl.tile([m, n, k], block_size=[None, None, k_per_split]):
+        acc = hl.zeros([tile_m, tile_n], dtype=acc_dtype)
+        for tile_k in hl.tile(tile_split.begin, tile_split.end):
+            acc = hl.dot(x[tile_m, tile_k], w[tile_k, tile_n].to(x.dtype), acc=acc)
+        result = acc.to(torch.float32)
+        if split_k == 1:
+            result = epilogue(result, operands, scalars, tile_m, tile_n)
+        out[tile_split.id, tile_m, tile_n] = result.to(out.dtype)
+
+
+def program_functions(program: QuantProgram) -> tuple[Callable, Callable, Callable]:
+    """The program's three parts as device functions. Their closures hold only the program's JSON text:
+    Helion keys callables by their closures (so one compiled kernel serves every site with the same
+    quantization), and it would turn numbers found there into symbols; parsed inside, they stay
+    constants of the kernel."""
+    text = program.to_json()
+
+    def reduced(x: torch.Tensor) -> torch.Tensor:
+        return program_module.reduced_value(program_module.parse_program(text), x)
+
+    def scale_of(amax: torch.Tensor) -> torch.Tensor:
+        parsed = program_module.parse_program(text)
+        return program_module.scale_from_amax(parsed, amax.to(parsed.amax_dtype))
+
+    def quantize(x: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        parsed = program_module.parse_program(text)
+        return program_module.quantize(parsed, x, amax.to(parsed.amax_dtype), scale)
+
+    return reduced, scale_of, quantize
+
+
+def quant_gemm_helion(
+    x: torch.Tensor,
+    w_kn: torch.Tensor,
+    steps: tuple[str, ...],
+    operands: Sequence[torch.Tensor],
+    scalars: Sequence[float],
+    out_dtype: torch.dtype,
+    program: QuantProgram | None = None,
+    config: helion.Config | None = None,
+    config_dir: str | None = None,
+    kernel_family: str = "gemm_fp8",
+) -> torch.Tensor:
+    """The quantized GEMM + epilogue as a contiguous [M, N] ``out_dtype`` tensor.
+
+    With ``program``, ``x`` is the float activation and the kernel quantizes it as the program says;
+    without, ``x`` is multiplied as it is (fp8/int8, or float against an int8 ``w_kn``).
+    """
+    steps = tuple(steps)
+    operands = list(operands)
+    scalars = [float(s) for s in scalars]
+    _check_inputs(x, w_kn, program)
+    sig = _Signature(
+        _Layout.of(x), _Layout.of(w_kn), tuple(map(_Layout.of, operands)), len(scalars), steps, out_dtype
+    )
+    _check_operands(sig)
+    (m, k), n = x.shape, w_kn.shape[1]
+    gemm_dtype = program.quant_dtype if program is not None else x.dtype
+    if config is None:
+        config = config_for(m, k, n, gemm_dtype, x.device, config_dir, kernel_family)
+    epilogue = tile_epilogue(steps)
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    split_k = config.get("split_k", 1)
+    target = out.unsqueeze(0) if split_k == 1 else torch.empty(
+        (num_k_splits(k, split_k), m, n), dtype=torch.float32, device=x.device
+    )
+    if program is not None:
+        kernel, args = quant_gemm_kernel, (x, w_kn, target, operands, scalars, *program_functions(program), epilogue)
+    else:
+        kernel, args = lowp_gemm_kernel, (x, w_kn, target, operands, scalars, epilogue)
+    _compiled(kernel, args, (sig, program), config, target.shape[0])(*args)
+    if split_k == 1:
+        return out
+    finish_args = (target, out, operands, scalars, epilogue)
+    _compiled(epilogue_kernel, finish_args, sig, EPILOGUE_CONFIG, target.shape[0])(*finish_args)
+    return out
+
+
+def _check_inputs(x: torch.Tensor, w_kn: torch.Tensor, program: QuantProgram | None) -> None:
+    if x.dim() != 2 or w_kn.dim() != 2 or x.shape[1] != w_kn.shape[0]:
+        raise ValueError(f"expected x [M, K] and w_kn [K, N], got {tuple(x.shape)} and {tuple(w_kn.shape)}")
+    quantized = program.quant_dtype if program is not None else x.dtype
+    if w_kn.dtype not in QUANT_DTYPES.values():
+        raise ValueError(f"the weight must be one of {list(QUANT_DTYPES.values())}, got {w_kn.dtype}")
+    weight_only = program is None and x.dtype in SUPPORTED_DTYPES.values() and w_kn.dtype == torch.int8
+    if quantized != w_kn.dtype and not weight_only:
+        raise ValueError(f"cannot multiply a {quantized} activation by a {w_kn.dtype} weight")

@@ -1,0 +1,232 @@
+"""Recognizers for quantization prologues in the forms the post-grad graph really has.
+
+Dynamic per-token activation quantization is found as the region of pointwise ops and one amax over K
+that computes the GEMM's quantized input and its per-token scale from one float tensor. The region is
+recorded op by op as a :class:`~helion_backend.quant_program.QuantProgram`, which the kernel replays
+on tiles: no canonical formula is assumed, so any mix of ``amax``/``max``, ``div``/``mul``,
+reciprocals, clamps and fp32 round trips is computed exactly as written.
+"""
+
+from __future__ import annotations
+
+import numbers
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from .patterns import same_shape, val
+from .quant_program import CONVERT, REDUCE, Instruction, QuantProgram, Value, check_program, ref
+from .vocabulary import QUANT_DTYPES, SUPPORTED_DTYPES
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+_POINTWISE = {
+    aten.abs.default: "abs", aten.neg.default: "neg", aten.reciprocal.default: "reciprocal",
+    aten.round.default: "round", aten.add.Tensor: "add", aten.sub.Tensor: "sub",
+    aten.mul.Tensor: "mul", aten.div.Tensor: "div", aten.clamp_min.default: "clamp_min",
+    aten.clamp_max.default: "clamp_max", aten.clamp.default: "clamp", aten.maximum.default: "maximum",
+    aten.minimum.default: "minimum",
+}
+_MAX_REGION_NODES = 32
+
+
+@dataclass(frozen=True)
+class ActivationQuant:
+    """``x`` quantized per token: the program, and the graph nodes it stands for."""
+
+    x: fx.Node
+    program: QuantProgram
+    nodes: tuple[fx.Node, ...]
+
+
+def activation_quant(quantized: fx.Node, scale: fx.Node) -> ActivationQuant | None:
+    """The per-token quantization computing ``quantized`` and ``scale`` from one float tensor, or None.
+
+    ``quantized`` must be an [M, K] fp8/int8 tensor and ``scale`` the [M, 1] column that rescales the
+    GEMM's rows; both must be computed from one [M, K] float tensor x by pointwise ops and a single
+    amax over K, with the scale depending on x only through that amax.
+    """
+    q, s = val(quantized), val(scale)
+    if q is None or s is None or q.dim() != 2 or q.dtype not in QUANT_DTYPES.values():
+        return None
+    if quantized.target is not prims.convert_element_type.default:
+        return None
+    region = _region(quantized, scale)
+    if region is None:
+        return None
+    nodes, x = region
+    x_val = val(x)
+    if x_val is None or x_val.dtype not in SUPPORTED_DTYPES.values() or not same_shape(x_val.shape, q.shape):
+        return None
+    program = _program(x, nodes, quantized, scale)
+    if program is None:
+        return None
+    return ActivationQuant(x, program, tuple(nodes))
+
+
+def _region(quantized: fx.Node, scale: fx.Node) -> tuple[list[fx.Node], fx.Node] | None:
+    """The ancestors of both outputs made of supported ops, down to the one tensor x they start from.
+
+    x is searched along the single-input ops above the amax (``abs(x.float())``: x, then x.float()),
+    farthest first: the kernel should read the tensor the model has, not an fp32 copy of it. The
+    search stops at an op with two tensor inputs (an RMSNorm's last multiply is x, not part of it).
+    """
+    for candidate in _root_candidates(quantized, scale):
+        members, leaves = _ancestors(quantized, scale, candidate)
+        if members is not None and leaves == {candidate}:
+            return sorted(members, key=lambda n: n._sort_key), candidate
+    return None
+
+
+def _ancestors(quantized: fx.Node, scale: fx.Node, root: fx.Node) -> tuple[set[fx.Node] | None, set[fx.Node]]:
+    members: set[fx.Node] = set()
+    leaves: set[fx.Node] = set()
+    todo = [quantized, scale]
+    while todo:
+        node = todo.pop()
+        if node in members or node in leaves:
+            continue
+        if node is root or not _supported(node):
+            leaves.add(node)
+            continue
+        members.add(node)
+        if len(members) > _MAX_REGION_NODES:
+            return None, leaves
+        todo.extend(node.all_input_nodes)
+    return members, leaves
+
+
+def _root_candidates(quantized: fx.Node, scale: fx.Node) -> list[fx.Node]:
+    reduction = next((n for n in _walk_up(scale) if _is_reduction(n)), None)
+    if reduction is None:
+        return []
+    chain, node = [], _reduction_input(reduction)
+    while True:
+        chain.append(node)
+        tensor_inputs = node.all_input_nodes
+        if not _supported(node) or len(tensor_inputs) != 1 or len(chain) > _MAX_REGION_NODES:
+            break
+        node = tensor_inputs[0]
+    return chain[::-1]
+
+
+def _walk_up(start: fx.Node) -> list[fx.Node]:
+    """Supported ancestors of ``start`` (itself included), nearest first."""
+    seen, order, todo = set(), [], [start]
+    while todo and len(order) <= _MAX_REGION_NODES:
+        node = todo.pop(0)
+        if node in seen or not _supported(node):
+            continue
+        seen.add(node)
+        order.append(node)
+        todo.extend(node.all_input_nodes)
+    return order
+
+
+def _is_reduction(node: fx.Node) -> bool:
+    return node.target is aten.amax.default or (
+        node.target is operator.getitem and getattr(node.args[0], "target", None) is aten.max.dim
+    )
+
+
+def _reduction_input(node: fx.Node) -> fx.Node:
+    return node.args[0].args[0] if node.target is operator.getitem else node.args[0]
+
+
+def _supported(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target in _POINTWISE or node.target in (aten.amax.default, aten.max.dim):
+        return True
+    if node.target is prims.convert_element_type.default:
+        return True
+    return node.target is operator.getitem and getattr(node.args[0], "target", None) is aten.max.dim
+
+
+def _program(x: fx.Node, nodes: list[fx.Node], quantized: fx.Node, scale: fx.Node) -> QuantProgram | None:
+    refs: dict[fx.Node, str] = {x: ref(0)}
+    instructions: list[Instruction] = []
+    reductions: list[tuple[fx.Node, fx.Node]] = []  # (reduction's result, its input)
+    m = val(x).shape[0]
+    for node in nodes:
+        if node.target is aten.max.dim:
+            continue  # read through its getitem
+        out = val(node)
+        if out is None or out.dim() != 2 or not statically_known_true(out.shape[0] == m):
+            return None
+        ins = _instruction(node, refs)
+        if ins is None:
+            return None
+        if ins.op == REDUCE:
+            reductions.append((node, _reduction_input(node)))
+        instructions.append(ins)
+        refs[node] = ref(len(instructions))
+    if len(reductions) != 1 or scale not in refs or quantized not in refs:
+        return None
+    amax, reduced = reductions[0]
+    reduced_val = val(reduced)
+    if not same_shape(reduced_val.shape, val(x).shape) or not statically_known_true(val(amax).shape[1] == 1):
+        return None
+    if not same_shape(val(scale).shape, val(amax).shape):
+        return None
+    program = QuantProgram(
+        tuple(instructions), refs[reduced], refs[amax], refs[scale], refs[quantized],
+        str(reduced_val.dtype).removeprefix("torch."),
+    )
+    try:
+        check_program(program)
+    except ValueError:
+        return None
+    return program
+
+
+def _instruction(node: fx.Node, refs: dict[fx.Node, str]) -> Instruction | None:
+    def arg(a):
+        if isinstance(a, fx.Node):
+            return Value(refs[a]) if a in refs else _INVALID
+        if a is None or (isinstance(a, numbers.Real) and not isinstance(a, bool)):
+            return a
+        return _INVALID
+
+    if node.target is prims.convert_element_type.default:
+        dtype = node.args[1]
+        if not isinstance(dtype, torch.dtype) or (dtype not in SUPPORTED_DTYPES.values()
+                                                   and dtype not in QUANT_DTYPES.values()):
+            return None
+        source = arg(node.args[0])
+        return None if source is _INVALID else Instruction(CONVERT, (source, str(dtype).removeprefix("torch.")))
+    if node.target is operator.getitem:  # max.dim(v, dim, keepdim)[0]
+        reduction = node.args[0]
+        if node.args[1] != 0 or not _reduces_last_dim(reduction, *reduction.args[1:]):
+            return None
+        source = arg(reduction.args[0])
+        return None if source is _INVALID else Instruction(REDUCE, (source,))
+    if node.target is aten.amax.default:
+        if not _reduces_last_dim(node, *node.args[1:]):
+            return None
+        source = arg(node.args[0])
+        return None if source is _INVALID else Instruction(REDUCE, (source,))
+    if node.kwargs.get("alpha", 1) != 1 or node.kwargs.get("rounding_mode") is not None:
+        return None
+    if set(node.kwargs) - {"alpha", "rounding_mode"}:
+        return None
+    args = tuple(arg(a) for a in node.args)
+    if any(a is _INVALID for a in args):
+        return None
+    return Instruction(_POINTWISE[node.target], args)
+
+
+def _reduces_last_dim(node: fx.Node, dim=None, keepdim=False, *rest) -> bool:
+    source = val(node.args[0])
+    if source is None or source.dim() != 2:
+        return False
+    dims = [dim] if isinstance(dim, int) else list(dim or [])
+    keepdim = node.kwargs.get("keepdim", keepdim)
+    return keepdim is True and len(dims) == 1 and dims[0] in (-1, 1)
+
+
+_INVALID = object()
