@@ -1,14 +1,19 @@
 """Time a few candidate Helion configs per decode GEMM shape and write the GPU's config table.
 
     python benchmarks/sweep_gemm_configs.py [--m 1,4,16,32] [--suite qwen3_8b] [--budget-min 4]
+    python benchmarks/sweep_gemm_configs.py --kernel gemm_fp8 --m 1,16      # a quantized kernel family
 
 Each candidate runs the fused kernel (bias + GELU-tanh epilogue) under CUDA-graph replay, cycling
 through enough weight copies to defeat the L2, exactly as the benchmark times it; the fastest
-correct config per (K, N, M) goes to ``helion_backend/kernels/tuned/<gpu>.json`` (and --out-dir),
+correct config per (kernel, K, N, M) goes to ``helion_backend/kernels/tuned/<gpu>.json`` (and --out-dir),
 with the time of ``torch.compile`` default on the same call and whether Helion beat it
 (``helion_wins``: the dispatch keeps M above the first loss with cuBLAS + Inductor).
 A small fixed candidate list, not Helion's autotuner; ``python -m helion_backend tune`` autotunes the
 shapes a deployment compiled into the user's table instead.
+
+The quantized families run the layers :mod:`helion_backend.quantize` builds (fp8 and int8 with dynamic
+per-token activations, int8 weight-only), checked against the unfused quantized computation and timed
+against ``torch.compile`` default of the same layer.
 """
 
 from __future__ import annotations
@@ -26,10 +31,15 @@ if __package__ in (None, ""):
 
 import helion
 import torch
+import torch.nn.functional as F
 
 from benchmarks.bench_gemm import SUITES
+from helion_backend import dispatch
 from helion_backend.kernels import configs
 from helion_backend.kernels.gemm import gemm_epilogue_helion
+from helion_backend.kernels.quant_gemm import quant_gemm_helion
+from helion_backend.passes.trace import trace_sites
+from helion_backend.quantize import QUANT_FORMATS
 from helion_backend.timing import copies_to_defeat_l2, time_callable_us
 from helion_backend.tuning import (
     TIMING,
@@ -43,6 +53,9 @@ from helion_backend.tuning import (
 )
 
 STEPS = ("bias", "gelu_tanh")
+# Quantized families: the helion_backend.quantize format whose layers they run.
+QUANT_FAMILIES = {"gemm_fp8": "fp8_dynamic", "gemm_int8": "int8_dynamic", "gemm_weight_only": "int8_weight_only"}
+QUANT_TOLERANCE = 1e-2  # against the unfused quantized computation (40 dB SQNR)
 # (block_m, block_n, block_k, num_warps, num_stages, split_k, indexing). Helion shrinks block_m to M
 # when M is smaller; "tensor_descriptor" loads through TMA where the tensor allows it (Helion falls
 # back to pointers where it does not).
@@ -58,6 +71,10 @@ CANDIDATES = (
     (16, 64, 256, 4, 3, 2, "tensor_descriptor"),
     (16, 32, 128, 4, 4, 4, "pointer"),
     (16, 32, 256, 4, 3, 4, "tensor_descriptor"),
+    # Wide N tiles: fewer programs re-read the activation (which the quantized kernels also quantize).
+    (16, 128, 256, 4, 3, 1, "pointer"),
+    (16, 128, 256, 8, 3, 2, "pointer"),
+    (16, 256, 128, 8, 3, 1, "pointer"),
     # M > 16: one M tile instead of two, so the weight is streamed once.
     (32, 32, 256, 4, 3, 1, "pointer"),
     (32, 32, 512, 4, 3, 1, "pointer"),
@@ -79,7 +96,13 @@ def candidate_configs(m: int, n: int) -> list[helion.Config]:
     ]
 
 
-def sweep_key(k: int, n: int, m: int, device: torch.device) -> dict | None:
+def sweep_key(kernel: str, k: int, n: int, m: int, device: torch.device) -> dict | None:
+    if kernel == "gemm":
+        return sweep_bf16_key(k, n, m, device)
+    return sweep_quant_key(kernel, k, n, m, device)
+
+
+def sweep_bf16_key(k: int, n: int, m: int, device: torch.device) -> dict | None:
     """The fastest correct candidate at this key and the time of torch.compile default, as a table entry."""
     key = TuneKey("gemm", STEPS, "bfloat16", k, n, m)
     inputs = make_inputs(key, device, copies=copies_to_defeat_l2(k * n * 2, device))
@@ -98,9 +121,49 @@ def sweep_key(k: int, n: int, m: int, device: torch.device) -> dict | None:
             "helion_wins": best.us < fallback_us}
 
 
+def sweep_quant_key(kernel: str, k: int, n: int, m: int, device: torch.device) -> dict | None:
+    """As :func:`sweep_bf16_key` for a quantized family: the layer as helion_backend.quantize builds it,
+    with a bias and a GELU, checked against its unfused computation, timed against torch.compile of it."""
+    copies = copies_to_defeat_l2(k * n, device)
+    layers = [_quantized_layer(kernel, k, n, device) for _ in range(copies)]
+    xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+    (site,) = trace_sites(layers[0], xs[0])
+    program = site.quant_program
+    steps = tuple(s.name for s in site.steps if s.name not in ("cast", "reshape")) + ("gelu_tanh",)
+    operands = [[_channel_scale(layer), layer.bias] for layer in layers]
+
+    def args(i: int) -> tuple:
+        j = i % copies
+        return (xs[j], layers[j].qweight.t(), steps, operands[j], [], torch.bfloat16, program)
+
+    def run(config: helion.Config, i: int) -> torch.Tensor:
+        return quant_gemm_helion(*args(i), config=config, kernel_family=kernel)
+
+    timer = functools.partial(time_callable_us, config=TIMING, device=device)
+    best = fastest_valid(candidate_configs(m, n), run, dispatch.reference(*args(0)), timer, QUANT_TOLERANCE)
+    if best is None:
+        return None
+    torch._dynamo.reset()
+    compiled = [torch.compile(lambda x, layer=layer: F.gelu(layer(x), approximate="tanh")) for layer in layers]
+    fallback_us = timer(lambda i: compiled[i % copies](xs[i % copies]))
+    return {"kernel": kernel, "dtype": str(site.dtype).removeprefix("torch."), "k": k, "n": n, "m": m,
+            "config": dict(best.config), "us": round(best.us, 2), "candidates": len(candidate_configs(m, n)),
+            "fallback_us": round(fallback_us, 2), "helion_wins": best.us < fallback_us}
+
+
+def _quantized_layer(kernel: str, k: int, n: int, device: torch.device) -> torch.nn.Module:
+    linear = torch.nn.Linear(k, n, device=device, dtype=torch.bfloat16)
+    return QUANT_FORMATS[QUANT_FAMILIES[kernel]].from_linear(linear).eval()
+
+
+def _channel_scale(layer: torch.nn.Module) -> torch.Tensor:
+    return layer.weight_scale.reshape(-1).float()
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--m", default="1,4,16,32", help="comma list of M values")
+    parser.add_argument("--kernel", default="gemm", choices=["gemm", *QUANT_FAMILIES], help="kernel family")
     parser.add_argument("--suite", default=",".join(SUITES), help="comma list of suites")
     parser.add_argument("--budget-min", type=float, default=0, help="start no new key after this long")
     parser.add_argument("--out-dir", type=Path, help="also write the table here")
@@ -121,11 +184,11 @@ def main(argv: list[str]) -> None:
             if args.budget_min and time.monotonic() - start > 60 * args.budget_min:
                 print(f"budget spent: K={k} N={n} M={m} not swept")
                 continue
-            entry = sweep_key(k, n, m, device)
+            entry = sweep_key(args.kernel, k, n, m, device)
             if entry is None:
                 continue
             table.put(entry, metadata)
-            print(f"best K={k} N={n} M={m}: {entry['config']} {entry['us']} us "
+            print(f"best {args.kernel} K={k} N={n} M={m}: {entry['config']} {entry['us']} us "
                   f"(torch.compile {entry['fallback_us']} us)")
             if args.out_dir:
                 (args.out_dir / path.name).write_text(path.read_text())

@@ -19,7 +19,9 @@ def _check_rules(args: argparse.Namespace) -> int:
         return 1
     for rule in rules:
         steps = ", ".join(map(str, rule.epilogue)) or "-"
-        print(f"ok  {rule.source}  {rule.name}  priority={rule.priority}  anchor={sorted(rule.anchors)}  epilogue=[{steps}]")
+        prologue = f"  prologue=[{', '.join(map(str, rule.prologue))}]" if rule.prologue else ""
+        print(f"ok  {rule.source}  {rule.name}  priority={rule.priority}  anchor={sorted(rule.anchors)}"
+              f"{prologue}  epilogue=[{steps}]  kernel={rule.kernel}")
     print(f"{len(rules)} rule(s) valid")
     return 0
 

@@ -86,21 +86,26 @@ def run_gemm_epilogue(
         try:
             return run_kernel(kernel, x, w_kn, steps, flat, scalars, out_dtype, config_dir or None, program)
         except Exception as e:  # a kernel that cannot compile or launch must not fail the model
-            _fall_back(site, m, e)
+            failure = _describe_failure(e)
+        # Outside the ``except`` block: there the exception still holds the failed call's frames.
+        _fall_back(site, m, failure)
     return reference(x, w_kn, steps, flat, scalars, out_dtype, program)
 
 
-def _fall_back(site: str, m: int, error: Exception) -> None:
-    """Remember that ``site`` cannot run Helion at this M, warn once, and note it in the site's report."""
+def _describe_failure(error: Exception) -> str:
     message = str(error).strip()
-    reason = f"{type(error).__name__}: {message.splitlines()[0] if message else 'no message'}"[:300]
+    return f"{type(error).__name__}: {message.splitlines()[0] if message else 'no message'}"[:300]
+
+
+def _fall_back(site: str, m: int, reason: str) -> None:
+    """Remember that ``site`` cannot run Helion at this M, warn once, and note it in the site's report."""
     _FAILED[(site, m)] = reason
     log.warning("helion_inductor: site %s (M=%d) falls back to cuBLAS + an unfused epilogue: Helion kernel "
                 "failed (%s)", site or "<unnamed>", m, reason)
     report.record_fallback(site, f"M={m}: Helion kernel failed ({reason}); ran the reference instead")
-    # The failure's traceback holds the kernel call's frames in reference cycles, and with them the
-    # output it had allocated; free it now, not at some later collection, so that CUDA graph trees do
-    # not find an untracked tensor in their memory pool.
+    # The failed call's frames sit in reference cycles with its traceback, and with them the output it
+    # had allocated; free it now, not at some later collection, so that CUDA graph trees do not find an
+    # untracked tensor in their memory pool.
     gc.collect()
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .jsonfile import write_json_atomic
-from .vocabulary import EPILOGUE_STEPS, KERNEL_FAMILIES, SUPPORTED_DTYPES
+from .vocabulary import EPILOGUE_STEPS, KERNEL_FAMILIES, RULE_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +97,8 @@ class ManifestSite:
             raise ValueError(f"'epilogue' must list steps of {sorted(EPILOGUE_STEPS)}, got {epilogue!r}")
         if data["kernel"] not in KERNEL_FAMILIES:
             raise ValueError(f"unknown kernel {data['kernel']!r}; valid: {list(KERNEL_FAMILIES)}")
-        if not isinstance(data["dtype"], str) or data["dtype"] not in SUPPORTED_DTYPES:
-            raise ValueError(f"unknown dtype {data['dtype']!r}; valid: {sorted(SUPPORTED_DTYPES)}")
+        if not isinstance(data["dtype"], str) or data["dtype"] not in RULE_DTYPES:
+            raise ValueError(f"unknown dtype {data['dtype']!r}; valid: {sorted(RULE_DTYPES)}")
         if not isinstance(data["m"], list):
             raise ValueError(f"'m' must be a list of token counts, got {data['m']!r}")
         limit = data.get("dynamic_m_limit")

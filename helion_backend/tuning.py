@@ -53,7 +53,7 @@ from .kernels.gemm import gemm_epilogue_helion, gemm_kernel
 from .manifest import ManifestError, ManifestSite, read_manifest
 from .options import BackendOptions
 from .timing import Step, TimingConfig, copies_to_defeat_l2, relative_error, run_metadata, time_callable_us
-from .vocabulary import SUPPORTED_DTYPES, Operand
+from .vocabulary import DEFAULT_KERNEL_FAMILY, SUPPORTED_DTYPES, Operand
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ TOLERANCE = 1e-2
 # The sweep of the shipped table times with it too, so that user and shipped entries compare.
 TIMING = TimingConfig(warmup_calls=2, calls_per_graph=20, warmup_replays=3, replays=15)
 
-TableKey = tuple[str, int, int, int]  # (dtype, K, N, M): what a config table entry is keyed by
+TableKey = tuple[str, str, int, int, int]  # (kernel, dtype, K, N, M): what a table entry is keyed by
 
 
 class TuneError(Exception):
@@ -86,7 +86,7 @@ class TuneKey:
 
     @property
     def table_key(self) -> TableKey:
-        return (self.dtype, self.k, self.n, self.m)
+        return (self.kernel, self.dtype, self.k, self.n, self.m)
 
     def __str__(self) -> str:
         return f"{self.dtype} K={self.k} N={self.n} M={self.m} [{','.join(self.epilogue) or 'no epilogue'}]"
@@ -113,7 +113,7 @@ def expand_keys(sites: Sequence[ManifestSite], num_tokens: Sequence[int]) -> lis
 
 
 def _entry_key(entry: Mapping[str, Any]) -> TableKey:
-    return (entry["dtype"], int(entry["k"]), int(entry["n"]), int(entry["m"]))
+    return (entry.get("kernel", "gemm"), entry["dtype"], int(entry["k"]), int(entry["n"]), int(entry["m"]))
 
 
 @dataclasses.dataclass
@@ -190,13 +190,17 @@ def make_inputs(key: TuneKey, device: torch.device, copies: int = 1, seed: int =
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
 
-    shapes = {Operand.ROW: (key.n,), Operand.FULL: (key.m, key.n)}
+    shapes = {Operand.ROW: (key.n,), Operand.COL: (key.m, 1), Operand.ELEMENT: (1,), Operand.FULL: (key.m, key.n)}
     kinds = operand_kinds(key.epilogue)
+
+    def operands() -> list[torch.Tensor]:  # as the fused op receives them, flattened as the kernels read them
+        return dispatch.flatten_operands([randn(*shapes[kind]) for kind in kinds], key.epilogue, key.n)
+
     return GemmInputs(
         steps=key.epilogue,
         xs=[randn(key.m, key.k) for _ in range(copies)],
         weights=[randn(key.n, key.k) * key.k**-0.5 for _ in range(copies)],
-        operands=[[randn(*shapes[kind]) for kind in kinds] for _ in range(copies)],
+        operands=[operands() for _ in range(copies)],
         scalars=[0.5] * num_scalars(key.epilogue),
         out_dtype=dtype,
     )
@@ -316,6 +320,9 @@ def tune_key(
 ) -> dict[str, Any]:
     """Tune one key (see the module docstring) and return its table entry; raises ``TuneError`` when no
     split yields a valid config. ``timer`` defaults to CUDA-graph replay on ``device``."""
+    if key.kernel != DEFAULT_KERNEL_FAMILY:
+        raise TuneError(f"the tune command autotunes the {DEFAULT_KERNEL_FAMILY} family only; tune {key.kernel} "
+                        f"with benchmarks/sweep_gemm_configs.py --kernel {key.kernel}")
     start = clock()
     timer = timer or functools.partial(time_callable_us, config=TIMING, device=device)
     itemsize = SUPPORTED_DTYPES[key.dtype].itemsize

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -65,9 +66,10 @@ class OpCalls:
 
         self.epilogues: list[str] = []
         original = dispatch.run_gemm_epilogue
+        signature = inspect.signature(original)
 
         def counting(*args, **kwargs):
-            self.epilogues.append(args[5])
+            self.epilogues.append(signature.bind(*args, **kwargs).arguments["epilogue"])
             return original(*args, **kwargs)
 
         monkeypatch.setattr(dispatch, "run_gemm_epilogue", counting)

@@ -10,6 +10,7 @@ import helion
 import pytest
 import torch
 
+from helion_backend.dispatch import flatten_operands
 from helion_backend.epilogue import apply_epilogue, operand_kinds
 from helion_backend.kernels import configs, gemm
 from helion_backend.kernels.gemm import gemm_epilogue_helion
@@ -59,12 +60,8 @@ def inputs(m, k, n, dtype, layout, steps):
         if layout == "kn"
         else torch.randn(n, k, dtype=dtype, device="cuda").t()
     )
-    operands = [
-        torch.randn(n, dtype=dtype, device="cuda")
-        if kind is Operand.ROW
-        else torch.randn(m, n, dtype=dtype, device="cuda")
-        for kind in operand_kinds(steps)
-    ]
+    shapes = {Operand.ROW: (n,), Operand.COL: (m, 1), Operand.ELEMENT: (1,), Operand.FULL: (m, n)}
+    operands = [torch.randn(shapes[kind], dtype=dtype, device="cuda") for kind in operand_kinds(steps)]
     scalars = [0.5 + i for i, s in enumerate(steps) if s == "scale"]
     return x, w_kn, operands, scalars
 
@@ -80,7 +77,8 @@ def check(m, k, n, dtype, layout, steps, split_k=None, out_dtype=None) -> None:
     if split_k is not None:
         config = with_split_k(config, split_k)
     poison_allocator(m, n)
-    out = gemm_epilogue_helion(x, w_kn, steps, operands, scalars, out_dtype or dtype, config)
+    flat = flatten_operands(operands, steps, n)  # broadcast views, as the fused op passes them
+    out = gemm_epilogue_helion(x, w_kn, steps, flat, scalars, out_dtype or dtype, config)
     assert out.shape == (m, n) and out.dtype == (out_dtype or dtype) and out.is_contiguous()
     assert not out.isnan().any()
     assert rel_err(out, float64_reference(x, w_kn, steps, operands, scalars)) <= TOLERANCE[dtype]

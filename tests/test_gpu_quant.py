@@ -92,25 +92,12 @@ def test_quant_kernel_split_k(qdtype, split_k):
 
 
 def _program_of(module: nn.Module):
-    """The program the matcher records for ``module``'s activation quantization (through the backend)."""
-    from helion_backend.passes import rewrite
+    """The program the matcher records for ``module``'s activation quantization."""
+    from helion_backend.passes.trace import trace_sites
 
-    captured = []
-    original = rewrite._replace
-
-    def spy(graph, site, *args):
-        captured.append(site.quant_program)
-        return original(graph, site, *args)
-
-    rewrite._replace = spy
-    try:
-        torch._dynamo.reset()
-        torch.compile(module, backend="helion_inductor")(torch.randn(4, module.in_features, device="cuda",
-                                                                      dtype=torch.bfloat16))
-    finally:
-        rewrite._replace = original
-    assert captured and captured[0] is not None
-    return captured[0]
+    (site,) = trace_sites(module, torch.randn(4, module.in_features, device="cuda", dtype=torch.bfloat16))
+    assert site.quant_program is not None
+    return site.quant_program
 
 
 def test_zero_rows_and_saturation_behave_as_the_unfused_graph():

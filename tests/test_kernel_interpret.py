@@ -21,6 +21,7 @@ import triton.language as tl  # noqa: E402
 from helion.runtime.kernel import BoundKernel  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
+from helion_backend.dispatch import flatten_operands  # noqa: E402
 from helion_backend.epilogue import apply_epilogue, operand_kinds  # noqa: E402
 from helion_backend.kernels import configs, gemm, run_kernel  # noqa: E402
 from helion_backend.kernels.gemm import gemm_epilogue_helion  # noqa: E402
@@ -90,8 +91,9 @@ def weight(k: int, n: int, layout: str, dtype: torch.dtype) -> torch.Tensor:
 
 def operands_for(steps, m: int, n: int, dtype: torch.dtype) -> list[torch.Tensor]:
     """Fresh random operands; full ones are transposed views, to exercise strided loads."""
+    shapes = {Operand.ROW: (n,), Operand.ELEMENT: (1,), Operand.COL: (m, 1)}
     return [
-        torch.randn(n, dtype=dtype) if kind is Operand.ROW else torch.randn(n, m, dtype=dtype).t()
+        torch.randn(n, m, dtype=dtype).t() if kind is Operand.FULL else torch.randn(shapes[kind], dtype=dtype)
         for kind in operand_kinds(steps)
     ]
 
@@ -102,7 +104,8 @@ def run(m, k, n, dtype, layout, steps, split_k, out_dtype=None, scalars=None, co
     operands = operands_for(steps, m, n, dtype)
     scalars = scalars if scalars is not None else [0.5 + i for i, s in enumerate(steps) if s == "scale"]
     config = config or helion.Config(block_sizes=BLOCKS, num_warps=4, num_stages=1, split_k=split_k)
-    out = gemm_epilogue_helion(x, w_kn, steps, operands, scalars, out_dtype or dtype, config)
+    flat = flatten_operands(operands, steps, n)  # broadcast views, as the fused op passes them
+    out = gemm_epilogue_helion(x, w_kn, steps, flat, scalars, out_dtype or dtype, config)
     return out, float64_reference(x, w_kn, steps, operands, scalars)
 
 

@@ -20,9 +20,14 @@ _MAX_CHAIN = 32
 
 def run(ctx: PassContext) -> None:
     for site in ctx.sites:
-        site.chain = site.leading_steps + _follow(site)
-        _fuse_activation_quant(site)
+        follow_chain(site)
         choose_rule(site, ctx.rules)
+
+
+def follow_chain(site: GemmSite) -> None:
+    """Every recognized step after the GEMM, and the activation quantization before it if there is one."""
+    site.chain = site.leading_steps + _follow(site)
+    _fuse_activation_quant(site)
 
 
 def _fuse_activation_quant(site: GemmSite) -> None:

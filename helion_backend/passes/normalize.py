@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..patterns import operand_kind, val
+from ..patterns import operand_kind, same_shape, val
 from ..vocabulary import ANCHOR_OPS, SUPPORTED_DTYPES, Anchor, Operand
 from .context import GemmSite, PassContext, Step
 
@@ -113,18 +114,33 @@ def _scaled_mm_steps(node: fx.Node, out_val: torch.Tensor, n: int) -> list[Step]
     if node.kwargs.get("scale_result", scale_result) is not None:
         return "_scaled_mm with scale_result (fp8 output) is not fused"
     steps = []
-    for scale, what in ((scale_a, "scale_a"), (scale_b, "scale_b")):
-        kind = operand_kind(scale, out_val, n)
-        names = {Operand.COL: "token_scale", Operand.ROW: "channel_scale", Operand.ELEMENT: "tensor_scale"}
-        if kind not in names:
+    for scale, what, per_row in ((scale_a, "scale_a", True), (scale_b, "scale_b", False)):
+        name = _scale_step(scale, out_val, per_row)
+        if name is None:
             shape = tuple(val(scale).shape) if val(scale) is not None else "?"
             return f"_scaled_mm {what} of shape {shape} is not per-token, per-channel or per-tensor"
-        steps.append(Step(names[kind], [node], operand=scale))
+        steps.append(Step(name, [node], operand=scale))
     if bias is not None:
         if operand_kind(bias, out_val, n) is not Operand.ROW:
             return "_scaled_mm bias is not an [N] vector"
         steps.append(Step("bias", [node], operand=bias))
     return steps
+
+
+def _scale_step(scale: fx.Node, out_val: torch.Tensor, per_row: bool) -> str | None:
+    """Which step a _scaled_mm scale is, by its role (not by its shape alone: at M = 1 a [1, N] scale_b
+    has the output's shape, and a [1, 1] scale_a is the per-token one)."""
+    t = val(scale)
+    if t is None or t.dtype != torch.float32:
+        return None
+    m, n = out_val.shape
+    if per_row and t.dim() == 2 and same_shape(t.shape, (m, 1)):
+        return "token_scale"
+    if not per_row and t.dim() in (1, 2) and same_shape(t.shape[-1:], (n,)) and t.numel() == n:
+        return "channel_scale"
+    if all(statically_known_true(d == 1) for d in t.shape):
+        return "tensor_scale"
+    return None
 
 
 def _fuse_weight_dequant(site: GemmSite) -> None:
