@@ -37,7 +37,7 @@ from benchmarks.bench_gemm import SUITES
 from helion_backend import dispatch
 from helion_backend.kernels import configs
 from helion_backend.kernels.gemm import gemm_epilogue_helion
-from helion_backend.kernels.quant_gemm import quant_gemm_helion
+from helion_backend.kernels.quant_gemm import SEPARATE_SCALES, quant_gemm_helion
 from helion_backend.passes.trace import trace_sites
 from helion_backend.quantize import QUANT_FORMATS
 from helion_backend.timing import copies_to_defeat_l2, time_callable_us
@@ -83,17 +83,35 @@ CANDIDATES = (
     (32, 32, 256, 4, 4, 2, "pointer"),
     (32, 64, 128, 4, 4, 2, "tensor_descriptor"),
 )
+# The quantized families: the candidates that did best in the first fp8/int8 sweep, each with the
+# per-token scales in the kernel and in a kernel of their own (``separate_scales``).
+QUANT_CANDIDATES = (
+    (16, 32, 512, 4, 3, 1, "pointer"),
+    (16, 32, 256, 4, 3, 2, "pointer"),
+    (16, 64, 256, 4, 3, 2, "pointer"),
+    (16, 32, 256, 4, 3, 4, "tensor_descriptor"),
+    (16, 128, 256, 8, 3, 2, "pointer"),
+    (16, 64, 128, 4, 4, 1, "pointer"),
+    (32, 32, 256, 4, 3, 1, "pointer"),
+)
 # Splits beyond this many CTAs only add partial sums to write and read back.
 MAX_SPLIT_CTAS = 4 * 132
 
 
-def candidate_configs(m: int, n: int) -> list[helion.Config]:
+def candidate_configs(m: int, n: int, candidates=CANDIDATES, **extra: object) -> list[helion.Config]:
     """The candidates that make sense at this M and N (block_m above M and oversplit grids are skipped)."""
     return [
-        helion.Config(block_sizes=[bm, bn, bk], num_warps=w, num_stages=s, split_k=sk, indexing=ix)
-        for bm, bn, bk, w, s, sk, ix in CANDIDATES
+        helion.Config(block_sizes=[bm, bn, bk], num_warps=w, num_stages=s, split_k=sk, indexing=ix, **extra)
+        for bm, bn, bk, w, s, sk, ix in candidates
         if (bm <= 16 or m > 16) and (sk == 1 or -(-n // bn) * -(-m // bm) * sk <= MAX_SPLIT_CTAS)
     ]
+
+
+def quant_candidates(kernel: str, m: int, n: int) -> list[helion.Config]:
+    candidates = candidate_configs(m, n, QUANT_CANDIDATES)
+    if kernel == "gemm_weight_only":  # no activation quantization, so no scales to move
+        return candidates
+    return candidates + candidate_configs(m, n, QUANT_CANDIDATES, **{SEPARATE_SCALES: True})
 
 
 def sweep_key(kernel: str, k: int, n: int, m: int, device: torch.device) -> dict | None:
@@ -140,14 +158,15 @@ def sweep_quant_key(kernel: str, k: int, n: int, m: int, device: torch.device) -
         return quant_gemm_helion(*args(i), config=config, kernel_family=kernel)
 
     timer = functools.partial(time_callable_us, config=TIMING, device=device)
-    best = fastest_valid(candidate_configs(m, n), run, dispatch.reference(*args(0)), timer, QUANT_TOLERANCE)
+    candidates = quant_candidates(kernel, m, n)
+    best = fastest_valid(candidates, run, dispatch.reference(*args(0)), timer, QUANT_TOLERANCE)
     if best is None:
         return None
     torch._dynamo.reset()
     compiled = [torch.compile(lambda x, layer=layer: F.gelu(layer(x), approximate="tanh")) for layer in layers]
     fallback_us = timer(lambda i: compiled[i % copies](xs[i % copies]))
     return {"kernel": kernel, "dtype": str(site.dtype).removeprefix("torch."), "k": k, "n": n, "m": m,
-            "config": dict(best.config), "us": round(best.us, 2), "candidates": len(candidate_configs(m, n)),
+            "config": dict(best.config), "us": round(best.us, 2), "candidates": len(candidates),
             "fallback_us": round(fallback_us, 2), "helion_wins": best.us < fallback_us}
 
 

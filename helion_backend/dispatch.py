@@ -6,6 +6,7 @@ import functools
 import gc
 import importlib.util
 import logging
+import traceback
 from typing import Sequence
 
 import torch
@@ -87,9 +88,21 @@ def run_gemm_epilogue(
             return run_kernel(kernel, x, w_kn, steps, flat, scalars, out_dtype, config_dir or None, program)
         except Exception as e:  # a kernel that cannot compile or launch must not fail the model
             failure = _describe_failure(e)
-        # Outside the ``except`` block: there the exception still holds the failed call's frames.
+            # The failed call's frames hold the output it had allocated, and a log record that keeps the
+            # traceback (Helion's, or a test's log capture) would keep them alive: under CUDA graph trees
+            # that output sits in the graph's memory pool, untracked. Drop their locals.
+            _clear_frames(e)
         _fall_back(site, m, failure)
     return reference(x, w_kn, steps, flat, scalars, out_dtype, program)
+
+
+def _clear_frames(error: BaseException | None) -> None:
+    """Clear the locals of every finished frame in ``error``'s traceback and in those it chains to."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
 
 
 def _describe_failure(error: Exception) -> str:
@@ -103,10 +116,7 @@ def _fall_back(site: str, m: int, reason: str) -> None:
     log.warning("helion_inductor: site %s (M=%d) falls back to cuBLAS + an unfused epilogue: Helion kernel "
                 "failed (%s)", site or "<unnamed>", m, reason)
     report.record_fallback(site, f"M={m}: Helion kernel failed ({reason}); ran the reference instead")
-    # The failed call's frames sit in reference cycles with its traceback, and with them the output it
-    # had allocated; free it now, not at some later collection, so that CUDA graph trees do not find an
-    # untracked tensor in their memory pool.
-    gc.collect()
+    gc.collect()  # whatever the failure left in reference cycles goes now, not at some later collection
 
 
 def reference(

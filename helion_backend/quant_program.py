@@ -83,6 +83,11 @@ class QuantProgram:
     def amax_dtype(self) -> torch.dtype:
         return getattr(torch, self.amax_dtype_name)
 
+    @functools.cached_property
+    def scale_dtype(self) -> torch.dtype:
+        """The dtype the graph computed the scale in (found by running ``post`` on a meta tensor)."""
+        return scale_from_amax(self, torch.empty(1, 1, dtype=self.amax_dtype, device="meta")).dtype
+
     @property
     def quant_dtype(self) -> torch.dtype:
         """The dtype of the quantized activation: its last op is always a convert."""

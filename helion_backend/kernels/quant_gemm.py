@@ -8,6 +8,11 @@ accumulator) or int8 (int32 accumulator), rescales the rows, and runs the shared
 result before the one store. The quantization is the graph's own ops, replayed
 (:mod:`helion_backend.quant_program`), so the kernel computes what the model wrote.
 
+Every output tile re-reads its rows for that amax, which costs little at M = 1 and much at M = 16-32
+on shapes with few, long tiles. The config key ``separate_scales`` (ours, not Helion's) moves the amax
+and scale to ``row_scale_kernel``, one program per row, and ``prescaled_quant_gemm_kernel`` then only
+quantizes, multiplies and finishes: two launches, each short.
+
 ``lowp_gemm_kernel`` multiplies inputs as they come: fp8 x fp8 or int8 x int8 (already quantized), or a
 float activation with an int8 weight converted block by block (weight-only).
 
@@ -37,6 +42,11 @@ from .gemm import (
     num_k_splits,
     tile_epilogue,
 )
+
+# Our config key, not Helion's (removed before Helion sees the config): run the scales as their own kernel.
+SEPARATE_SCALES = "separate_scales"
+# One program per row: a row is at most ~50 KB of activation, read once.
+ROW_SCALE_CONFIG = helion.Config(block_sizes=[1, 1024], num_warps=4, num_stages=2)
 
 
 @helion.kernel(static_shapes=True, autotune_effort="none")
@@ -71,6 +81,54 @@ def quant_gemm_kernel(
         for tile_k in hl.tile(tile_split.begin, tile_split.end, block_size=block_k):
             acc = hl.dot(quantize(x[tile_m, tile_k], amax, scale), w[tile_k, tile_n], acc=acc)
         result = acc.to(torch.float32) * scale.to(torch.float32)
+        if split_k == 1:
+            result = epilogue(result, operands, scalars, tile_m, tile_n)
+        out[tile_split.id, tile_m, tile_n] = result.to(out.dtype)
+
+
+@helion.kernel(static_shapes=True, autotune_effort="none")
+def row_scale_kernel(
+    x: torch.Tensor,
+    amax_out: torch.Tensor,
+    scale_out: torch.Tensor,
+    reduced: Callable[[torch.Tensor], torch.Tensor],
+    scale_of: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
+    """``amax_out[i]`` and ``scale_out[i]``: row i's amax over K and its per-token scale."""
+    m, k = x.size()
+    for tile_m in hl.tile(m):
+        row_max = hl.full([tile_m], float("-inf"), dtype=torch.float32)
+        for tile_k in hl.tile(k):
+            row_max = torch.maximum(row_max, torch.amax(reduced(x[tile_m, tile_k]).to(torch.float32), dim=1))
+        amax_out[tile_m] = row_max
+        scale_out[tile_m] = scale_of(row_max).to(scale_out.dtype)
+
+
+@helion.kernel(static_shapes=True, autotune_effort="none")
+def prescaled_quant_gemm_kernel(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    amax: torch.Tensor,
+    scale: torch.Tensor,
+    out: torch.Tensor,
+    operands: list[torch.Tensor],
+    scalars: list[float],
+    quantize: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    epilogue: Callable[..., torch.Tensor],
+) -> None:
+    """As :func:`quant_gemm_kernel`, with each row's amax and scale from :func:`row_scale_kernel`."""
+    m, k = x.size()
+    n = w.size(1)
+    split_k = hl.register_tunable("split_k", PowerOfTwoFragment(1, 64, 1))
+    k_per_split = helion.cdiv(helion.cdiv(k, split_k), 256) * 256
+    acc_dtype = torch.int32 if w.dtype == torch.int8 else torch.float32
+    for tile_m, tile_n, tile_split in hl.tile([m, n, k], block_size=[None, None, k_per_split]):
+        row_amax = amax[tile_m][:, None]
+        row_scale = scale[tile_m][:, None]
+        acc = hl.zeros([tile_m, tile_n], dtype=acc_dtype)
+        for tile_k in hl.tile(tile_split.begin, tile_split.end):
+            acc = hl.dot(quantize(x[tile_m, tile_k], row_amax, row_scale), w[tile_k, tile_n], acc=acc)
+        result = acc.to(torch.float32) * row_scale.to(torch.float32)
         if split_k == 1:
             result = epilogue(result, operands, scalars, tile_m, tile_n)
         out[tile_split.id, tile_m, tile_n] = result.to(out.dtype)
@@ -151,13 +209,23 @@ def quant_gemm_helion(
     gemm_dtype = program.quant_dtype if program is not None else x.dtype
     if config is None:
         config = config_for(m, k, n, gemm_dtype, x.device, config_dir, kernel_family)
+    separate_scales = program is not None and bool(config.get(SEPARATE_SCALES, False))
+    config = helion.Config(**{key: value for key, value in config.items() if key != SEPARATE_SCALES})
     epilogue = tile_epilogue(steps)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     split_k = config.get("split_k", 1)
     target = out.unsqueeze(0) if split_k == 1 else torch.empty(
         (num_k_splits(k, split_k), m, n), dtype=torch.float32, device=x.device
     )
-    if program is not None:
+    if separate_scales:
+        reduced, scale_of, quantize = program_functions(program)
+        amax = torch.empty(m, dtype=torch.float32, device=x.device)
+        scale = torch.empty(m, dtype=program.scale_dtype, device=x.device)
+        scale_args = (x, amax, scale, reduced, scale_of)
+        _compiled(row_scale_kernel, scale_args, (sig, program), ROW_SCALE_CONFIG, 1)(*scale_args)
+        kernel, args = prescaled_quant_gemm_kernel, (x, w_kn, amax, scale, target, operands, scalars, quantize,
+                                                     epilogue)
+    elif program is not None:
         kernel, args = quant_gemm_kernel, (x, w_kn, target, operands, scalars, *program_functions(program), epilogue)
     else:
         kernel, args = lowp_gemm_kernel, (x, w_kn, target, operands, scalars, epilogue)
