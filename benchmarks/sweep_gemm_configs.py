@@ -37,7 +37,7 @@ from benchmarks.bench_gemm import SUITES
 from helion_backend import dispatch
 from helion_backend.kernels import configs
 from helion_backend.kernels.gemm import gemm_epilogue_helion
-from helion_backend.kernels.quant_gemm import SEPARATE_SCALES, quant_gemm_helion
+from helion_backend.kernels.quant_gemm import PREQUANTIZE, quant_gemm_helion
 from helion_backend.passes.trace import trace_sites
 from helion_backend.quantize import QUANT_FORMATS
 from helion_backend.timing import copies_to_defeat_l2, time_callable_us
@@ -84,7 +84,7 @@ CANDIDATES = (
     (32, 64, 128, 4, 4, 2, "tensor_descriptor"),
 )
 # The quantized families: the candidates that did best in the first fp8/int8 sweep, each with the
-# per-token scales in the kernel and in a kernel of their own (``separate_scales``).
+# activation quantized inside the GEMM kernel and, once, by a kernel of its own (``prequantize``).
 QUANT_CANDIDATES = (
     (16, 32, 512, 4, 3, 1, "pointer"),
     (16, 32, 256, 4, 3, 2, "pointer"),
@@ -111,7 +111,7 @@ def quant_candidates(kernel: str, m: int, n: int) -> list[helion.Config]:
     candidates = candidate_configs(m, n, QUANT_CANDIDATES)
     if kernel == "gemm_weight_only":  # no activation quantization, so no scales to move
         return candidates
-    return candidates + candidate_configs(m, n, QUANT_CANDIDATES, **{SEPARATE_SCALES: True})
+    return candidates + candidate_configs(m, n, QUANT_CANDIDATES, **{PREQUANTIZE: True})
 
 
 def sweep_key(kernel: str, k: int, n: int, m: int, device: torch.device) -> dict | None:

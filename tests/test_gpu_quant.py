@@ -68,16 +68,16 @@ def test_fused_quantized_linear_matches_the_unfused_graph(fmt, m):
         assert "gelu_tanh" in site.epilogue and site.epilogue[-1] == "residual", site.epilogue
 
 
-@pytest.mark.parametrize("separate_scales", [False, True], ids=["fused_scales", "separate_scales"])
+@pytest.mark.parametrize("prequantize", [False, True], ids=["fused_scales", "prequantize"])
 @pytest.mark.parametrize("split_k", [1, 2, 4])
 @pytest.mark.parametrize("qdtype", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])
-def test_quant_kernel_split_k(qdtype, split_k, separate_scales):
+def test_quant_kernel_split_k(qdtype, split_k, prequantize):
     """Split-K rescales each split's partial sums by the per-token scale before the finishing pass;
-    the scales come from the GEMM kernel itself or from a kernel of their own."""
+    the activation is quantized inside the GEMM kernel, or once by a kernel of its own."""
     import helion
 
     from helion_backend.dispatch import reference
-    from helion_backend.kernels.quant_gemm import SEPARATE_SCALES, quant_gemm_helion
+    from helion_backend.kernels.quant_gemm import PREQUANTIZE, quant_gemm_helion
     from helion_backend.quantize import Fp8DynamicLinear, Int8DynamicLinear
 
     torch.manual_seed(1)
@@ -88,7 +88,7 @@ def test_quant_kernel_split_k(qdtype, split_k, separate_scales):
     scale = module.weight_scale.reshape(-1).float()
     steps, operands = ("act_scale", "channel_scale", "bias"), [scale.expand(512), linear.bias.detach()]
     config = helion.Config(block_sizes=[16, 32, 256], num_warps=4, num_stages=3, split_k=split_k,
-                           **{SEPARATE_SCALES: separate_scales})
+                           **{PREQUANTIZE: prequantize})
     out = quant_gemm_helion(x, module.qweight.t(), steps, operands, [], torch.bfloat16, program, config=config,
                             kernel_family="gemm_fp8" if qdtype == torch.float8_e4m3fn else "gemm_int8")
     assert sqnr_db(reference(x, module.qweight.t(), steps, operands, [], torch.bfloat16, program), out) >= 40

@@ -253,17 +253,17 @@ def test_weight_only_int8_kernel(layout):
 
 
 @pytest.mark.parametrize("split_k", [1, 2])
-def test_dynamic_int8_kernel_with_separate_scales(split_k):
-    """The same computation with the amax and scale from their own kernel (the ``separate_scales`` key)."""
+def test_dynamic_int8_kernel_with_prequantize(split_k):
+    """The same computation with the rows quantized once, by a kernel of their own (``prequantize``)."""
     from helion_backend.dispatch import reference
-    from helion_backend.kernels.quant_gemm import SEPARATE_SCALES, quant_gemm_helion
+    from helion_backend.kernels.quant_gemm import PREQUANTIZE, quant_gemm_helion
 
     m, k, n = 5, 600, 40
     x = torch.randn(m, k)
     w_kn = torch.randint(-128, 128, (n, k), dtype=torch.int8).t()
     program = program_from(int8_per_token, x)
     operands = [torch.rand(n) + 0.5, torch.randn(n)]
-    config = helion.Config(block_sizes=BLOCKS, num_warps=4, num_stages=1, split_k=split_k, **{SEPARATE_SCALES: True})
+    config = helion.Config(block_sizes=BLOCKS, num_warps=4, num_stages=1, split_k=split_k, **{PREQUANTIZE: True})
     out = quant_gemm_helion(x, w_kn, QUANT_STEPS, operands, [], torch.float32, program, config=config)
     ref = reference(x, w_kn, QUANT_STEPS, operands, [], torch.float32, program)
     assert rel_err(out, ref.double()) <= 1e-5

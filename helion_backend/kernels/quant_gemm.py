@@ -8,10 +8,11 @@ accumulator) or int8 (int32 accumulator), rescales the rows, and runs the shared
 result before the one store. The quantization is the graph's own ops, replayed
 (:mod:`helion_backend.quant_program`), so the kernel computes what the model wrote.
 
-Every output tile re-reads its rows for that amax, which costs little at M = 1 and much at M = 16-32
-on shapes with few, long tiles. The config key ``separate_scales`` (ours, not Helion's) moves the amax
-and scale to ``row_scale_kernel``, one program per row, and ``prescaled_quant_gemm_kernel`` then only
-quantizes, multiplies and finishes: two launches, each short.
+Every output tile quantizes its rows again (an amax pass and a division per element), which costs
+little at M = 1 and dominates at M = 8-32. The config key ``prequantize`` (ours, not Helion's) runs the
+quantization once instead, in ``quantize_rows_kernel`` (one program per row, writing the quantized
+rows and their scales), and the GEMM then multiplies the quantized rows as they are
+(``lowp_gemm_kernel``), rescaling them in the epilogue: two launches, and the one store of the output.
 
 ``lowp_gemm_kernel`` multiplies inputs as they come: fp8 x fp8 or int8 x int8 (already quantized), or a
 float activation with an int8 weight converted block by block (weight-only).
@@ -43,10 +44,10 @@ from .gemm import (
     tile_epilogue,
 )
 
-# Our config key, not Helion's (removed before Helion sees the config): run the scales as their own kernel.
-SEPARATE_SCALES = "separate_scales"
-# One program per row: a row is at most ~50 KB of activation, read once.
-ROW_SCALE_CONFIG = helion.Config(block_sizes=[1, 1024], num_warps=4, num_stages=2)
+# Our config key, not Helion's (removed before Helion sees the config): quantize the rows once, first.
+PREQUANTIZE = "prequantize"
+# One program per row: a row is at most ~50 KB of activation, read twice (amax, then quantize).
+QUANTIZE_ROWS_CONFIG = helion.Config(block_sizes=[1, 1024, 1024], num_warps=4, num_stages=2)
 
 
 @helion.kernel(static_shapes=True, autotune_effort="none")
@@ -87,51 +88,24 @@ def quant_gemm_kernel(
 
 
 @helion.kernel(static_shapes=True, autotune_effort="none")
-def row_scale_kernel(
+def quantize_rows_kernel(
     x: torch.Tensor,
-    amax_out: torch.Tensor,
+    quantized_out: torch.Tensor,
     scale_out: torch.Tensor,
     reduced: Callable[[torch.Tensor], torch.Tensor],
     scale_of: Callable[[torch.Tensor], torch.Tensor],
+    quantize: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> None:
-    """``amax_out[i]`` and ``scale_out[i]``: row i's amax over K and its per-token scale."""
+    """``quantized_out[i]`` and ``scale_out[i]``: row i quantized as the program says, and its scale."""
     m, k = x.size()
     for tile_m in hl.tile(m):
         row_max = hl.full([tile_m], float("-inf"), dtype=torch.float32)
         for tile_k in hl.tile(k):
             row_max = torch.maximum(row_max, torch.amax(reduced(x[tile_m, tile_k]).to(torch.float32), dim=1))
-        amax_out[tile_m] = row_max
-        scale_out[tile_m] = scale_of(row_max).to(scale_out.dtype)
-
-
-@helion.kernel(static_shapes=True, autotune_effort="none")
-def prescaled_quant_gemm_kernel(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    amax: torch.Tensor,
-    scale: torch.Tensor,
-    out: torch.Tensor,
-    operands: list[torch.Tensor],
-    scalars: list[float],
-    quantize: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-    epilogue: Callable[..., torch.Tensor],
-) -> None:
-    """As :func:`quant_gemm_kernel`, with each row's amax and scale from :func:`row_scale_kernel`."""
-    m, k = x.size()
-    n = w.size(1)
-    split_k = hl.register_tunable("split_k", PowerOfTwoFragment(1, 64, 1))
-    k_per_split = helion.cdiv(helion.cdiv(k, split_k), 256) * 256
-    acc_dtype = torch.int32 if w.dtype == torch.int8 else torch.float32
-    for tile_m, tile_n, tile_split in hl.tile([m, n, k], block_size=[None, None, k_per_split]):
-        row_amax = amax[tile_m][:, None]
-        row_scale = scale[tile_m][:, None]
-        acc = hl.zeros([tile_m, tile_n], dtype=acc_dtype)
-        for tile_k in hl.tile(tile_split.begin, tile_split.end):
-            acc = hl.dot(quantize(x[tile_m, tile_k], row_amax, row_scale), w[tile_k, tile_n], acc=acc)
-        result = acc.to(torch.float32) * row_scale.to(torch.float32)
-        if split_k == 1:
-            result = epilogue(result, operands, scalars, tile_m, tile_n)
-        out[tile_split.id, tile_m, tile_n] = result.to(out.dtype)
+        scale = scale_of(row_max)
+        scale_out[tile_m] = scale.to(scale_out.dtype)
+        for tile_k in hl.tile(k):
+            quantized_out[tile_m, tile_k] = quantize(x[tile_m, tile_k], row_max[:, None], scale[:, None])
 
 
 @helion.kernel(static_shapes=True, autotune_effort="none")
@@ -209,23 +183,22 @@ def quant_gemm_helion(
     gemm_dtype = program.quant_dtype if program is not None else x.dtype
     if config is None:
         config = config_for(m, k, n, gemm_dtype, x.device, config_dir, kernel_family)
-    separate_scales = program is not None and bool(config.get(SEPARATE_SCALES, False))
-    config = helion.Config(**{key: value for key, value in config.items() if key != SEPARATE_SCALES})
+    prequantize = program is not None and bool(config.get(PREQUANTIZE, False))
+    config = helion.Config(**{key: value for key, value in config.items() if key != PREQUANTIZE})
+    if prequantize:
+        quantized, scale = quantize_rows(x, program)
+        # The rows' scale becomes an epilogue operand; it commutes with the scaling steps before act_scale.
+        steps = ("token_scale", *(s for s in steps if s != "act_scale"))
+        operands = [scale.view(m, 1).expand(m, n), *operands]
+        return quant_gemm_helion(quantized, w_kn, steps, operands, scalars, out_dtype, None, config=config,
+                                 kernel_family=kernel_family)
     epilogue = tile_epilogue(steps)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     split_k = config.get("split_k", 1)
     target = out.unsqueeze(0) if split_k == 1 else torch.empty(
         (num_k_splits(k, split_k), m, n), dtype=torch.float32, device=x.device
     )
-    if separate_scales:
-        reduced, scale_of, quantize = program_functions(program)
-        amax = torch.empty(m, dtype=torch.float32, device=x.device)
-        scale = torch.empty(m, dtype=program.scale_dtype, device=x.device)
-        scale_args = (x, amax, scale, reduced, scale_of)
-        _compiled(row_scale_kernel, scale_args, (sig, program), ROW_SCALE_CONFIG, 1)(*scale_args)
-        kernel, args = prescaled_quant_gemm_kernel, (x, w_kn, amax, scale, target, operands, scalars, quantize,
-                                                     epilogue)
-    elif program is not None:
+    if program is not None:
         kernel, args = quant_gemm_kernel, (x, w_kn, target, operands, scalars, *program_functions(program), epilogue)
     else:
         kernel, args = lowp_gemm_kernel, (x, w_kn, target, operands, scalars, epilogue)
@@ -235,6 +208,16 @@ def quant_gemm_helion(
     finish_args = (target, out, operands, scalars, epilogue)
     _compiled(epilogue_kernel, finish_args, sig, EPILOGUE_CONFIG, target.shape[0])(*finish_args)
     return out
+
+
+def quantize_rows(x: torch.Tensor, program: QuantProgram) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_quantized [M, K], scale [M])`` from :func:`quantize_rows_kernel`."""
+    m, k = x.shape
+    quantized = torch.empty((m, k), dtype=program.quant_dtype, device=x.device)
+    scale = torch.empty(m, dtype=program.scale_dtype, device=x.device)
+    args = (x, quantized, scale, *program_functions(program))
+    _compiled(quantize_rows_kernel, args, (_Layout.of(x), program), QUANTIZE_ROWS_CONFIG, 1)(*args)
+    return quantized, scale
 
 
 def _check_inputs(x: torch.Tensor, w_kn: torch.Tensor, program: QuantProgram | None) -> None:
