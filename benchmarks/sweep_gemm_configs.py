@@ -36,8 +36,9 @@ import torch.nn.functional as F
 from benchmarks.bench_gemm import SUITES
 from helion_backend import dispatch
 from helion_backend.kernels import configs
+from helion_backend.kernels.configs import PREQUANTIZE
 from helion_backend.kernels.gemm import gemm_epilogue_helion
-from helion_backend.kernels.quant_gemm import PREQUANTIZE, quant_gemm_helion
+from helion_backend.kernels.quant_gemm import quant_gemm_helion
 from helion_backend.passes.trace import trace_sites
 from helion_backend.quantize import QUANT_FORMATS
 from helion_backend.timing import copies_to_defeat_l2, time_callable_us

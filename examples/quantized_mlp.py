@@ -16,27 +16,15 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 
 try:
     import helion_backend
 except ImportError:  # run from a checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import helion_backend
+from quickstart import MLPBlock  # examples/ is on the path when this file runs as a script
+
 from helion_backend.quantize import QUANT_FORMATS, quantize
-
-
-class MLPBlock(nn.Module):
-    """Linear + bias, GELU (tanh), Linear + bias, residual: the block every decoder layer has."""
-
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(hidden, intermediate)
-        self.act = nn.GELU(approximate="tanh")
-        self.down = nn.Linear(intermediate, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(self.act(self.up(x)))
 
 
 def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:

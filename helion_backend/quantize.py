@@ -162,6 +162,18 @@ def _int_mm_any_m(a: torch.Tensor, b: torch.Tensor, pad_to: int | None = None) -
     return torch._int_mm(a, b)
 
 
+def _int8_per_channel_layer(cls: type, linear: nn.Linear, scale_dtype: torch.dtype) -> Any:
+    """A ``cls`` layer holding ``linear``'s weight as per-channel int8 with ``scale_dtype`` scales."""
+    w = linear.weight.detach()
+    mod = cls(linear.in_features, linear.out_features, linear.bias is not None, dtype=w.dtype, device=w.device)
+    with torch.no_grad():
+        qweight, w_scale = _int8_per_channel(w, scale_dtype)
+        mod.qweight.copy_(qweight)
+        mod.weight_scale.copy_(w_scale)
+        mod._copy_bias(linear)
+    return mod
+
+
 def _int8_per_channel(w: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8 weight: (qweight [N, K], scale [N] in ``scale_dtype``).
 
@@ -189,14 +201,7 @@ class Int8DynamicLinear(_QuantizedLinear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8DynamicLinear:
-        w = linear.weight.detach()
-        mod = cls(linear.in_features, linear.out_features, linear.bias is not None, dtype=w.dtype, device=w.device)
-        with torch.no_grad():
-            qweight, w_scale = _int8_per_channel(w, torch.float32)
-            mod.qweight.copy_(qweight)
-            mod.weight_scale.copy_(w_scale)
-            mod._copy_bias(linear)
-        return mod
+        return _int8_per_channel_layer(cls, linear, torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
@@ -330,14 +335,7 @@ class Int8WeightOnlyLinear(_QuantizedLinear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8WeightOnlyLinear:
-        w = linear.weight.detach()
-        mod = cls(linear.in_features, linear.out_features, linear.bias is not None, dtype=w.dtype, device=w.device)
-        with torch.no_grad():
-            qweight, w_scale = _int8_per_channel(w, w.dtype)
-            mod.qweight.copy_(qweight)
-            mod.weight_scale.copy_(w_scale)
-            mod._copy_bias(linear)
-        return mod
+        return _int8_per_channel_layer(cls, linear, linear.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)

@@ -128,7 +128,7 @@ def test_failing_helion_kernel_falls_back_with_a_warning(fault, monkeypatch, cap
         def broken(*args, **kwargs):
             raise RuntimeError("injected compile failure")
 
-        monkeypatch.setattr(gemm, "_compiled", broken)
+        monkeypatch.setattr(gemm, "compiled_kernel", broken)
     else:
         bad = helion.Config(block_sizes=[16, 24, 100], num_warps=4, num_stages=3, split_k=1)
         monkeypatch.setattr(gemm, "config_for", lambda *args, **kwargs: bad)

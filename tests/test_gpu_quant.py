@@ -77,7 +77,8 @@ def test_quant_kernel_split_k(qdtype, split_k, prequantize):
     import helion
 
     from helion_backend.dispatch import reference
-    from helion_backend.kernels.quant_gemm import PREQUANTIZE, quant_gemm_helion
+    from helion_backend.kernels.configs import PREQUANTIZE
+    from helion_backend.kernels.quant_gemm import quant_gemm_helion
     from helion_backend.quantize import Fp8DynamicLinear, Int8DynamicLinear
 
     torch.manual_seed(1)

@@ -220,9 +220,12 @@ def int8_per_token(x):
 QUANT_STEPS = ("act_scale", "channel_scale", "bias", "relu")
 
 
+@pytest.mark.parametrize("prequantize", [False, True], ids=["in_kernel", "prequantize"])
 @pytest.mark.parametrize("split_k", [1, 2])
-def test_dynamic_int8_kernel_matches_the_unfused_graph(split_k):
+def test_dynamic_int8_kernel_matches_the_unfused_graph(split_k, prequantize):
+    """The activation quantized in every output tile, or once by its own kernel (``prequantize``)."""
     from helion_backend.dispatch import reference
+    from helion_backend.kernels.configs import PREQUANTIZE
     from helion_backend.kernels.quant_gemm import quant_gemm_helion
 
     m, k, n = 5, 600, 40
@@ -230,7 +233,8 @@ def test_dynamic_int8_kernel_matches_the_unfused_graph(split_k):
     w_kn = torch.randint(-128, 128, (n, k), dtype=torch.int8).t()
     program = program_from(int8_per_token, x)
     operands = [torch.rand(n) + 0.5, torch.randn(n)]
-    config = helion.Config(block_sizes=BLOCKS, num_warps=4, num_stages=1, split_k=split_k)
+    config = helion.Config(block_sizes=BLOCKS, num_warps=4, num_stages=1, split_k=split_k,
+                           **{PREQUANTIZE: prequantize})
     out = quant_gemm_helion(x, w_kn, QUANT_STEPS, operands, [], torch.float32, program, config=config)
     ref = reference(x, w_kn, QUANT_STEPS, operands, [], torch.float32, program)
     assert rel_err(out, ref.double()) <= 1e-5
@@ -250,20 +254,3 @@ def test_weight_only_int8_kernel(layout):
     out = quant_gemm_helion(x, w_kn, steps, [scale, bias], [], torch.float32, config=config,
                             kernel_family="gemm_weight_only")
     assert rel_err(out, float64_reference(x, w_kn.double(), steps, [scale, bias], [])) <= 1e-5
-
-
-@pytest.mark.parametrize("split_k", [1, 2])
-def test_dynamic_int8_kernel_with_prequantize(split_k):
-    """The same computation with the rows quantized once, by a kernel of their own (``prequantize``)."""
-    from helion_backend.dispatch import reference
-    from helion_backend.kernels.quant_gemm import PREQUANTIZE, quant_gemm_helion
-
-    m, k, n = 5, 600, 40
-    x = torch.randn(m, k)
-    w_kn = torch.randint(-128, 128, (n, k), dtype=torch.int8).t()
-    program = program_from(int8_per_token, x)
-    operands = [torch.rand(n) + 0.5, torch.randn(n)]
-    config = helion.Config(block_sizes=BLOCKS, num_warps=4, num_stages=1, split_k=split_k, **{PREQUANTIZE: True})
-    out = quant_gemm_helion(x, w_kn, QUANT_STEPS, operands, [], torch.float32, program, config=config)
-    ref = reference(x, w_kn, QUANT_STEPS, operands, [], torch.float32, program)
-    assert rel_err(out, ref.double()) <= 1e-5

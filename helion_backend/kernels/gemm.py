@@ -109,30 +109,30 @@ def tile_epilogue(steps: tuple[str, ...]) -> TileEpilogue:
     return epilogue
 
 
-class _Layout(NamedTuple):
+class Layout(NamedTuple):
     dtype: torch.dtype
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     device: torch.device
 
     @classmethod
-    def of(cls, t: torch.Tensor) -> _Layout:
+    def of(cls, t: torch.Tensor) -> Layout:
         return cls(t.dtype, tuple(t.shape), t.stride(), t.device)
 
 
-class _Signature(NamedTuple):
+class Signature(NamedTuple):
     """What a call's compiled kernels depend on besides the config (Helion specializes on static shapes)."""
 
-    x: _Layout
-    w: _Layout
-    operands: tuple[_Layout, ...]
+    x: Layout
+    w: Layout
+    operands: tuple[Layout, ...]
     num_scalars: int
     steps: tuple[str, ...]
     out_dtype: torch.dtype
 
 
 @functools.cache
-def _check_signature(sig: _Signature) -> None:
+def _check_signature(sig: Signature) -> None:
     """Reject, once per signature, what the kernel would compute wrongly or fail on deep inside Helion."""
     if len(sig.x.shape) != 2 or len(sig.w.shape) != 2 or sig.x.shape[1] != sig.w.shape[0]:
         raise ValueError(f"expected x [M, K] and w_kn [K, N], got {sig.x.shape} and {sig.w.shape}")
@@ -140,11 +140,11 @@ def _check_signature(sig: _Signature) -> None:
         raise ValueError(
             f"x and w_kn must share one of {SUPPORTED_INPUT_DTYPES}, got {sig.x.dtype}, {sig.w.dtype}"
         )
-    _check_operands(sig)
+    check_operands(sig)
 
 
 @functools.cache
-def _check_operands(sig: _Signature) -> None:
+def check_operands(sig: Signature) -> None:
     """The epilogue's steps, operands and scalars against what it reads (for every kernel family)."""
     unknown = [s for s in sig.steps if s not in EPILOGUE_STEPS]
     if unknown:
@@ -168,8 +168,8 @@ def _check_operands(sig: _Signature) -> None:
 _COMPILED: dict[Hashable, Callable[..., None]] = {}
 
 
-def _compiled(
-    kernel: helion.Kernel, args: tuple[object, ...], sig: _Signature, config: helion.Config, splits: int
+def compiled_kernel(
+    kernel: helion.Kernel, args: tuple[object, ...], sig: Signature, config: helion.Config, splits: int
 ) -> Callable[..., None]:
     """Compile ``kernel`` for ``args`` under ``config`` once; later calls skip Helion's binding.
 
@@ -209,8 +209,8 @@ def gemm_epilogue_helion(
     steps = tuple(steps)
     operands = list(operands)
     scalars = [float(s) for s in scalars]
-    sig = _Signature(
-        _Layout.of(x), _Layout.of(w_kn), tuple(map(_Layout.of, operands)), len(scalars), steps, out_dtype
+    sig = Signature(
+        Layout.of(x), Layout.of(w_kn), tuple(map(Layout.of, operands)), len(scalars), steps, out_dtype
     )
     _check_signature(sig)
     (m, k), n = x.shape, w_kn.shape[1]
@@ -221,11 +221,11 @@ def gemm_epilogue_helion(
     split_k = config.get("split_k", 1)
     gemm_args = gemm_kernel_args(x, w_kn, out, operands, scalars, epilogue, split_k)
     splits = gemm_args[2].shape[0]
-    _compiled(gemm_kernel, gemm_args, sig, config, splits)(*gemm_args)
+    compiled_kernel(gemm_kernel, gemm_args, sig, config, splits)(*gemm_args)
     if split_k == 1:
         return out
     finish_args = (gemm_args[2], out, operands, scalars, epilogue)
-    _compiled(epilogue_kernel, finish_args, sig, EPILOGUE_CONFIG, splits)(*finish_args)
+    compiled_kernel(epilogue_kernel, finish_args, sig, EPILOGUE_CONFIG, splits)(*finish_args)
     return out
 
 

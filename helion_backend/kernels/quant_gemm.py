@@ -1,5 +1,5 @@
-"""Quantized GEMMs as one Helion kernel each: fp8 and int8 with dynamic per-token activation quantization,
-pre-quantized inputs, and int8 weight-only.
+"""Quantized GEMMs as Helion kernels: fp8 and int8 with dynamic per-token activation quantization,
+pre-quantized inputs, and int8 weight-only, each with the shared epilogue before the one store.
 
 ``quant_gemm_kernel`` quantizes the activation itself: for its rows it first takes the amax over all of
 K (the activation is a few hundred KB at decode sizes and stays in L2), turns it into the per-token
@@ -33,19 +33,17 @@ from helion.autotuner import PowerOfTwoFragment
 from .. import quant_program as program_module
 from ..quant_program import QuantProgram
 from ..vocabulary import QUANT_DTYPES, SUPPORTED_DTYPES
-from .configs import EPILOGUE_CONFIG, config_for
+from .configs import EPILOGUE_CONFIG, PREQUANTIZE, config_for
 from .gemm import (
-    _check_operands,
-    _compiled,
-    _Layout,
-    _Signature,
+    Layout,
+    Signature,
+    check_operands,
+    compiled_kernel,
     epilogue_kernel,
     num_k_splits,
     tile_epilogue,
 )
 
-# Our config key, not Helion's (removed before Helion sees the config): quantize the rows once, first.
-PREQUANTIZE = "prequantize"
 # One program per row: a row is at most ~50 KB of activation, read twice (amax, then quantize).
 QUANTIZE_ROWS_CONFIG = helion.Config(block_sizes=[1, 1024, 1024], num_warps=4, num_stages=2)
 
@@ -175,10 +173,10 @@ def quant_gemm_helion(
     operands = list(operands)
     scalars = [float(s) for s in scalars]
     _check_inputs(x, w_kn, program)
-    sig = _Signature(
-        _Layout.of(x), _Layout.of(w_kn), tuple(map(_Layout.of, operands)), len(scalars), steps, out_dtype
+    sig = Signature(
+        Layout.of(x), Layout.of(w_kn), tuple(map(Layout.of, operands)), len(scalars), steps, out_dtype
     )
-    _check_operands(sig)
+    check_operands(sig)
     (m, k), n = x.shape, w_kn.shape[1]
     gemm_dtype = program.quant_dtype if program is not None else x.dtype
     if config is None:
@@ -202,11 +200,11 @@ def quant_gemm_helion(
         kernel, args = quant_gemm_kernel, (x, w_kn, target, operands, scalars, *program_functions(program), epilogue)
     else:
         kernel, args = lowp_gemm_kernel, (x, w_kn, target, operands, scalars, epilogue)
-    _compiled(kernel, args, (sig, program), config, target.shape[0])(*args)
+    compiled_kernel(kernel, args, (sig, program), config, target.shape[0])(*args)
     if split_k == 1:
         return out
     finish_args = (target, out, operands, scalars, epilogue)
-    _compiled(epilogue_kernel, finish_args, sig, EPILOGUE_CONFIG, target.shape[0])(*finish_args)
+    compiled_kernel(epilogue_kernel, finish_args, sig, EPILOGUE_CONFIG, target.shape[0])(*finish_args)
     return out
 
 
@@ -216,7 +214,7 @@ def quantize_rows(x: torch.Tensor, program: QuantProgram) -> tuple[torch.Tensor,
     quantized = torch.empty((m, k), dtype=program.quant_dtype, device=x.device)
     scale = torch.empty(m, dtype=program.scale_dtype, device=x.device)
     args = (x, quantized, scale, *program_functions(program))
-    _compiled(quantize_rows_kernel, args, (_Layout.of(x), program), QUANTIZE_ROWS_CONFIG, 1)(*args)
+    compiled_kernel(quantize_rows_kernel, args, (Layout.of(x), program), QUANTIZE_ROWS_CONFIG, 1)(*args)
     return quantized, scale
 
 

@@ -121,6 +121,9 @@ def _check(rule: Rule, site: GemmSite, names: list[str]) -> tuple[str | None, in
     if accepted is None or accepted < leading:
         got = ", ".join(names) or "none"
         return f"epilogue [{got}] does not fit [{', '.join(map(str, rule.epilogue))}]", 0
+    if site.quant_program is not None and accepted <= names.index("act_scale"):
+        # The kernel rescales by the activation's scale right after the GEMM: the site must reach that step.
+        return "its fused epilogue would stop before act_scale", 0
     return None, accepted
 
 

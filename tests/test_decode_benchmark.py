@@ -1,0 +1,105 @@
+"""The decode benchmark (benchmarks/decode.py): its static-cache decode step against a recomputation of
+the whole sequence, and its --smoke run end to end."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from benchmarks import decode
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dataclasses.replace(decode.SMOKE_CONFIG, hidden=64, intermediate=96, heads=4, kv_heads=2, head_dim=16,
+                           layers=2, vocab=80, context=4, max_len=12)
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding of ``x`` [seq, heads, dim]: the pair (i, i + dim/2) turned by pos * theta^(-2i/dim)."""
+    half = x.shape[-1] // 2
+    freq = theta ** (-2 * torch.arange(half, dtype=torch.float64) / x.shape[-1])
+    angles = positions.double()[:, None] * freq[None, :]
+    cos, sin = angles.cos().float()[:, None, :], angles.sin().float()[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def full_sequence_logits(model: decode.Decoder, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits [seq, vocab] of every position of one sequence, recomputed without a cache: causal
+    attention over the whole sequence, each key/value head repeated for its query heads."""
+    config = model.config
+    seq, groups = tokens.shape[0], config.heads // config.kv_heads
+    positions = torch.arange(seq)
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    x = model.embed(tokens)
+    for layer in model.layers:
+        attn = layer.attn
+        h = layer.input_norm(x)
+        q = attn.q_norm(attn.q_proj(h).view(seq, config.heads, config.head_dim))
+        k = attn.k_norm(attn.k_proj(h).view(seq, config.kv_heads, config.head_dim))
+        v = attn.v_proj(h).view(seq, config.kv_heads, config.head_dim)
+        q, k = rotate(q, positions, config.rope_theta), rotate(k, positions, config.rope_theta)
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / config.head_dim**0.5
+        weights = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+        out = torch.einsum("hqk,khd->qhd", weights, v).reshape(seq, config.heads * config.head_dim)
+        x = x + attn.o_proj(out)
+        x = x + layer.mlp(layer.post_attention_norm(x))
+    return model.lm_head(model.norm(x))
+
+
+def test_static_cache_decode_matches_full_sequence_recomputation():
+    model = decode.build_model(TINY, torch.float32, torch.device("cpu"), seed=0)
+    batch, seq = 2, TINY.context + 2
+    tokens = torch.randint(0, TINY.vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
+    # Random values in every cache position: what the mask must hide until the step writes them.
+    model.allocate_cache(batch, TINY.max_len, seed=2)
+    before = model.layers[0].attn.k_cache.clone()
+    with torch.no_grad():
+        stepped = torch.stack([model(tokens[:, p], torch.tensor([p])) for p in range(seq)], dim=1)
+        expected = torch.stack([full_sequence_logits(model, tokens[i]) for i in range(batch)])
+    assert stepped.shape == (batch, seq, TINY.vocab)
+    # All positions, and in particular two consecutive ones past the context length, as the benchmark steps.
+    for p in (*range(seq), TINY.context, TINY.context + 1):
+        err = decode.relative_error(stepped[:, p], expected[:, p])
+        assert err < 1e-5, (p, err)
+    # The step wrote each position's keys into the cache and left the later positions alone.
+    after = model.layers[0].attn.k_cache
+    assert torch.equal(after[:, :, seq:], before[:, :, seq:])
+    assert not torch.isclose(after[:, :, :seq], before[:, :, :seq]).any()
+
+
+def test_smoke_run_writes_every_row_within_tolerance(tmp_path):
+    env = {**os.environ,
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           "HELION_INDUCTOR_CACHE_DIR": str(tmp_path / "backend")}
+    out_dir = tmp_path / "out"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode.py"), "--smoke",
+                             "--out-dir", str(out_dir)],
+                            capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "helion_inductor report, bf16" in result.stdout  # the fused-site summary, once per format
+
+    data = json.loads((out_dir / "cpu_decode.json").read_text())
+    plan = decode.PRESETS["smoke"]
+    rows = {(row["format"], row["batch"], row["variant"]): row for row in data["rows"]}
+    expected = {(f, b, v) for f in plan.formats for b in plan.batches for v in plan.variants}
+    assert set(rows) == expected
+    assert data["metadata"]["complete"] and not data["metadata"]["skipped"]
+    for key, row in rows.items():
+        assert row["error"] is None, (key, row["error"])
+        assert row["wall_us"] > 0 and row["gpu_us"] is None, key
+        if row["variant"] == decode.HELION:
+            assert row["rel_err"] <= decode.TOLERANCES[row["format"]], (key, row["rel_err"])
+            assert row["compile_s"] > 0 and row["graphs"] == 1 and row["graph_breaks"] == 0, key
+            assert "reference" in row["helion_sites"], row["helion_sites"]
+        if row["format"] in decode.BASE_TOLERANCES:
+            assert row["rel_err_base"] <= decode.BASE_TOLERANCES[row["format"]], (key, row["rel_err_base"])
+        assert decode.row_is_correct(row), key
+    assert set(data["metadata"]["helion_reports"]) == set(plan.formats)
+
+    table = (out_dir / "cpu_decode.md").read_text()
+    assert "## Summary" in table and all(f"## {fmt} " in table for fmt in plan.formats)

@@ -1,0 +1,298 @@
+"""Quantized linears on the CPU: what the matcher recognizes, what the report says, and that the rewritten
+graph (run through the reference path, ``rewrite_on_cpu``) computes what the unfused one does.
+
+The forms are the ones libraries write (see ``helion_backend.quantize``), plus a seeded generator of
+the variants they differ by: ``amax`` or ``max``, ``div`` or ``mul(reciprocal)``, optional clamps,
+different epsilons, fp32 round trips, rounding for int8, and the epilogues after the GEMM.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from helpers import CPU_REWRITE, compile_run, sites, sqnr_db
+
+import helion_backend
+from helion_backend.quantize import Fp8DynamicLinear, Int8DynamicLinear, quantize
+from helion_backend.rules import RuleError, load_rule_file
+
+FP8, FP8_MAX = torch.float8_e4m3fn, 448.0
+PROLOGUE = {"fp8_dynamic": ["quant_fp8_per_token"], "int8_dynamic": ["quant_int8_per_token"],
+            "int8_weight_only": ["dequant_int8"]}
+KERNEL = {"fp8_dynamic": "gemm_fp8", "int8_dynamic": "gemm_int8", "int8_weight_only": "gemm_weight_only"}
+
+
+class Block(nn.Module):
+    def __init__(self, k: int = 256, n: int = 128) -> None:
+        super().__init__()
+        self.proj = nn.Linear(k, n)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.proj(x), approximate="tanh") + residual
+
+
+@pytest.mark.parametrize("lead", [(5,), (2, 3)], ids=["2d", "3d"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", sorted(PROLOGUE))
+def test_library_forms_fuse_with_their_prologue_and_match_eager(fmt, dtype, lead):
+    torch.manual_seed(0)
+    model = quantize(Block().to(dtype).eval(), fmt)
+    x, r = torch.randn(*lead, 256, dtype=dtype), torch.randn(*lead, 128, dtype=dtype)
+    with torch.no_grad():
+        out, reports = compile_run(copy.deepcopy(model), x, r)
+        expected = model(x, r)
+    (site,) = sites(reports)
+    assert (site.kernel, site.prologue, site.runs_on) == (KERNEL[fmt], PROLOGUE[fmt], "reference")
+    assert "gelu_tanh" in site.epilogue and site.epilogue[-1] == "residual", site.epilogue
+    # The reference replays the graph's own quantization; only the epilogue's fp32 (vs bf16 steps) differs.
+    assert sqnr_db(expected, out) >= (90 if dtype == torch.float32 else 40)
+
+
+def test_rescale_after_form_takes_the_unit_scales_as_steps():
+    """``_scaled_mm`` with unit scales and an fp32 output, rescaled after: the same site, more steps."""
+    torch.manual_seed(1)
+    layer = Fp8DynamicLinear.from_linear(nn.Linear(256, 64).to(torch.bfloat16), rescale_after=True)
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        out, reports = compile_run(layer, x)
+        expected = layer(x)
+    (site,) = sites(reports)
+    assert site.prologue == ["quant_fp8_per_token"]
+    assert site.epilogue[:4] == ["tensor_scale", "tensor_scale", "act_scale", "channel_scale"], site.epilogue
+    assert sqnr_db(expected, out) >= 40
+
+
+def test_int_mm_on_rows_padded_to_17_is_seen_through(monkeypatch):
+    """cuBLAS needs M > 16 for _int_mm, so libraries pad the rows and slice them back: one site, no pad."""
+    from helion_backend import quantize as quantize_module
+
+    torch.manual_seed(2)
+    layer = Int8DynamicLinear.from_linear(nn.Linear(256, 64))
+    monkeypatch.setattr(quantize_module, "_int_mm_any_m", functools.partial(quantize_module._int_mm_any_m, pad_to=17))
+    x = torch.randn(3, 256)
+    with torch.no_grad():
+        out, reports = compile_run(layer, x)
+        expected = layer(x)
+    (site,) = sites(reports)
+    assert site.m == 3 and site.prologue == ["quant_int8_per_token"], site
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_pre_quantized_input_fuses_without_a_prologue():
+    """Static quantization (the activation arrives quantized, with its scale): the GEMM, its rescale and
+    epilogue still fuse; the token scale is an operand."""
+    torch.manual_seed(3)
+    w = torch.randn(64, 256)
+    w_scale = (w.abs().amax(1, keepdim=True) / FP8_MAX).t().contiguous()
+    wq = (w / w_scale.t()).to(FP8)
+
+    def fn(xq, x_scale):
+        return F.silu(torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.float32))
+
+    xq, x_scale = torch.randn(8, 256).clamp(-400, 400).to(FP8), torch.rand(8, 1) + 0.1
+    out, reports = compile_run(fn, xq, x_scale)
+    (site,) = sites(reports)
+    assert site.prologue == [] and site.epilogue[:2] == ["token_scale", "channel_scale"], site
+    torch.testing.assert_close(out, fn(xq, x_scale), rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_activation_with_another_reader_still_fuses():
+    """The quantization is pure: the fused kernel recomputes it, Inductor keeps it for the other reader."""
+    torch.manual_seed(4)
+    layer = Fp8DynamicLinear.from_linear(nn.Linear(256, 64))
+
+    def fn(x):
+        scale = (x.abs().amax(-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+        xq = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        out = torch._scaled_mm(xq, layer.qweight.t(), scale_a=scale, scale_b=layer.weight_scale,
+                               out_dtype=torch.float32)
+        return out, xq.float().sum()
+
+    x = torch.randn(4, 256)
+    (out, total), reports = compile_run(fn, x)
+    (site,) = sites(reports)
+    assert site.prologue == ["quant_fp8_per_token"]
+    expected_out, expected_total = fn(x)
+    torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
+    assert total == expected_total
+
+
+def test_scale_that_reads_x_beyond_the_amax_is_not_a_prologue():
+    torch.manual_seed(5)
+    layer = Fp8DynamicLinear.from_linear(nn.Linear(256, 64))
+
+    def fn(x):
+        scale = (x.abs().amax(-1, keepdim=True) / FP8_MAX + x.mean(-1, keepdim=True).abs()).clamp(min=1e-12)
+        xq = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        return torch._scaled_mm(xq, layer.qweight.t(), scale_a=scale, scale_b=layer.weight_scale,
+                                out_dtype=torch.float32)
+
+    x = torch.randn(4, 256)
+    out, reports = compile_run(fn, x)
+    (site,) = sites(reports)
+    assert site.prologue == [] and site.epilogue[0] == "token_scale", site
+    torch.testing.assert_close(out, fn(x), rtol=1e-5, atol=1e-5)
+
+
+def test_rule_without_the_prologue_keeps_the_gemm_and_notes_why(tmp_path):
+    rules = tmp_path / "rules.toml"
+    rules.write_text('[[rule]]\nname = "fp8_plain"\nanchor = ["scaled_mm"]\nkernel = "gemm_fp8"\n'
+                     'epilogue = ["token_scale", "channel_scale", "bias?"]\n')
+    torch.manual_seed(6)
+    layer = Fp8DynamicLinear.from_linear(nn.Linear(256, 64))
+    x = torch.randn(4, 256)
+    with torch.no_grad():
+        out, reports = compile_run(layer, x, options={**CPU_REWRITE, "builtin_rules": False, "rules": [str(rules)]})
+        expected = layer(x)
+    (site,) = sites(reports)
+    assert site.rule == "fp8_plain" and site.prologue == [], site
+    assert any("prologue [quant_fp8_per_token] not fused" in note for note in site.notes), site.notes
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("body, line, message", [
+    ('anchor = ["scaled_mm"]\nkernel = "gemm_fp8"\ndtypes = ["bfloat16"]', 5,
+     "kernel family 'gemm_fp8' multiplies ['float8_e4m3fn'], not ['bfloat16']"),
+    ('anchor = ["mm"]\nprologue = ["quant_fp8_per_token"]', 4,
+     "kernel family 'gemm' runs prologue steps none, not ['quant_fp8_per_token']"),
+])
+def test_rule_files_pair_kernel_families_with_their_dtypes_and_prologues(tmp_path, body, line, message):
+    path = tmp_path / "rules.toml"
+    path.write_text(f'[[rule]]\nname = "r"\n{body}\n')
+    with pytest.raises(RuleError) as info:
+        load_rule_file(path)
+    assert f"{path}:{line}:" in str(info.value) and message in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_dynamic", "int8_dynamic"])
+def test_zero_rows_saturation_and_nan_behave_as_the_unfused_graph(fmt):
+    """All-zero rows take the clamped scale; values far past the format's range saturate; a NaN row
+    stays NaN (and only that row)."""
+    torch.manual_seed(7)
+    layer = quantize(nn.Linear(256, 64), fmt)
+    x = torch.randn(5, 256)
+    x[1] = 0
+    x[2, :5] = 1e30
+    x[3, 7] = float("nan")
+    with torch.no_grad():
+        out, _ = compile_run(copy.deepcopy(layer), x)
+        expected = layer(x)
+    assert torch.equal(out.isnan(), expected.isnan())
+    finite = ~expected.isnan()
+    torch.testing.assert_close(out[finite], expected[finite], rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------
+# Generated variants of per-token quantization, as different libraries and versions write it.
+
+PROGRAMS = int(os.environ.get("HELION_INDUCTOR_QUANT_FUZZ_PROGRAMS", "60"))
+
+
+def quantization_variant(rng: random.Random, qdtype: torch.dtype):
+    """A per-token quantization ``x -> (xq, scale)`` written one of the ways libraries write it."""
+    qmax = FP8_MAX if qdtype == FP8 else 127.0
+    use_max = rng.random() < 0.5
+    cast_first = rng.random() < 0.5
+    scale_by_mul = rng.random() < 0.5
+    eps = rng.choice([None, 1e-12, 1e-5])
+    eps_as_clamp = rng.random() < 0.5
+    quant_by = rng.choice(["div", "mul_reciprocal", "mul_inverse"])
+    clamp = rng.random() < 0.7
+
+    def fn(x):
+        v = x.float() if cast_first else x
+        amax = v.abs().max(dim=-1, keepdim=True)[0] if use_max else v.abs().amax(dim=-1, keepdim=True)
+        amax = amax.float()
+        scale = amax * (1.0 / qmax) if scale_by_mul else amax / qmax
+        if eps is not None:
+            scale = scale.clamp(min=eps) if eps_as_clamp else torch.clamp_min(scale, eps)
+        xf = x.float()
+        if quant_by == "div":
+            q = xf / scale
+        elif quant_by == "mul_reciprocal":
+            q = xf * scale.reciprocal()
+        else:
+            q = xf * (1.0 / scale)
+        if qdtype == torch.int8:
+            q = q.round()
+        if clamp:
+            q = q.clamp(-qmax - (qdtype == torch.int8), qmax)
+        return q.to(qdtype), scale
+
+    fn.describe = (f"{qdtype} max={use_max} cast_first={cast_first} scale_by_mul={scale_by_mul} eps={eps} "
+                   f"eps_as_clamp={eps_as_clamp} quant_by={quant_by} clamp={clamp}")
+    return fn
+
+
+def generated_program(seed: int):
+    rng = random.Random(seed)
+    qdtype = rng.choice([FP8, torch.int8])
+    quant = quantization_variant(rng, qdtype)
+    dtype = rng.choice([torch.float32, torch.bfloat16])
+    m, k, n = rng.choice([1, 3, 16, 17]), rng.choice([128, 256]), rng.choice([64, 96])
+    lead = rng.choice([(), (2,)])
+    epilogue = rng.choice(["none", "bias", "gelu", "silu_residual"])
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen)
+    w_scale = (w.abs().amax(1) / (FP8_MAX if qdtype == FP8 else 127.0)).clamp(min=1e-6)
+    wq = (w / w_scale[:, None]).round().clamp(-127, 127).to(qdtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+
+    def fn(x, residual):
+        x2 = x.reshape(-1, k)
+        xq, scale = quant(x2)
+        if qdtype == FP8:
+            use_bias = epilogue == "bias"
+            y = torch._scaled_mm(xq, wq.t(), scale_a=scale, scale_b=w_scale.view(1, n),
+                                 bias=bias if use_bias else None, out_dtype=dtype)
+        else:
+            y = (torch._int_mm(xq, wq.t()).float() * scale * w_scale)
+            y = (y + bias.float() if epilogue == "bias" else y).to(dtype)
+        y = y.reshape(*x.shape[:-1], n)
+        if epilogue == "gelu":
+            y = F.gelu(y)
+        elif epilogue == "silu_residual":
+            y = F.silu(y) + residual
+        return y
+
+    x = torch.randn(*lead, m, k, generator=gen).to(dtype)
+    residual = torch.randn(*lead, m, n, generator=gen).to(dtype)
+    describe = f"seed={seed} {quant.describe} {dtype} lead={lead} m={m} k={k} n={n} epilogue={epilogue}"
+    return fn, (x, residual), describe
+
+
+@pytest.mark.parametrize("seed", range(PROGRAMS))
+def test_generated_quantization_forms_fuse_and_match_eager(seed):
+    fn, args, describe = generated_program(seed)
+    helion_backend.clear_reports()
+    torch._dynamo.reset()
+    out, reports = compile_run(fn, *args)
+    expected = fn(*args)
+    (site,) = sites(reports)
+    assert site.prologue and site.prologue[0].startswith("quant_"), f"{describe}\n{site}"
+    tolerance = 1e-5 if args[0].dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance, msg=describe)
+
+
+def test_rule_that_stops_before_the_rescale_cannot_take_the_prologue(tmp_path):
+    """A rule fusing only the int32 -> fp32 cast after _int_mm would leave the kernel's rescale out of
+    place: the prologue is dropped and the site fuses the GEMM and the cast alone."""
+    rules = tmp_path / "rules.toml"
+    rules.write_text('[[rule]]\nname = "int8_cast"\nanchor = ["int_mm"]\nkernel = "gemm_int8"\n'
+                     'prologue = ["quant_int8_per_token?"]\nepilogue = ["cast"]\n')
+    torch.manual_seed(8)
+    layer = Int8DynamicLinear.from_linear(nn.Linear(256, 64))
+    x = torch.randn(4, 256)
+    with torch.no_grad():
+        out, reports = compile_run(layer, x, options={**CPU_REWRITE, "builtin_rules": False, "rules": [str(rules)]})
+        expected = layer(x)
+    (site,) = sites(reports)
+    assert site.rule == "int8_cast" and site.prologue == [] and site.epilogue == ["cast"], site
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
