@@ -10,9 +10,12 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import decode
-
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `pytest` (unlike `python -m pytest`) does not put the checkout on the path
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import decode  # noqa: E402
+
 TINY = dataclasses.replace(decode.SMOKE_CONFIG, hidden=64, intermediate=96, heads=4, kv_heads=2, head_dim=16,
                            layers=2, vocab=80, context=4, max_len=12)
 
