@@ -50,3 +50,40 @@ def test_decoder_matches_eager_and_fuses_every_projection(name):
         assert ("bias", "gelu_tanh") in epilogues and ("bias", "residual") in epilogues
     else:
         assert ("silu", "mul") in epilogues and ("residual",) in epilogues
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_generate_with_a_static_cache_matches_eager(name):
+    """Greedy ``generate`` with the static cache (prefill, then one-token decode steps of M = batch):
+    the compiled model picks the same tokens, and its decode graph fuses every projection at M = 2."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config(name)).eval()
+    ids = torch.randint(0, VOCAB, (2, 7))
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="static")
+        helion_backend.clear_reports()
+        model.forward = torch.compile(model.forward, backend="helion_inductor", options={"rewrite_on_cpu": True})
+        got = model.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="static")
+    assert torch.equal(got, expected)
+    decode_graphs = [r for r in helion_backend.get_reports() if {s.m for s in r.sites} == {2}]
+    assert decode_graphs and len(decode_graphs[-1].sites) == EXPECTED_SITES[name], \
+        [r.summary() for r in helion_backend.get_reports()]
+
+
+@pytest.mark.parametrize("fmt", ["fp8_dynamic", "int8_dynamic", "int8_weight_only"])
+def test_quantized_decoder_fuses_every_projection_with_its_prologue(fmt):
+    """A Qwen3 decoder quantized with the project's helper: every linear (LM head included) is a quantized
+    site with its prologue, and the compiled logits match the eager quantized model."""
+    from helion_backend.quantize import quantize
+
+    torch.manual_seed(0)
+    model = quantize(transformers.AutoModelForCausalLM.from_config(config("qwen3")).eval(), fmt)
+    ids = torch.randint(0, VOCAB, (2, 7))
+    with torch.no_grad():
+        expected = model(ids).logits
+        helion_backend.clear_reports()
+        got = torch.compile(model, backend="helion_inductor", options={"rewrite_on_cpu": True})(ids).logits
+    assert ((got - expected).norm() / expected.norm()).item() < 1e-4
+    found = [s for r in helion_backend.get_reports() for s in r.sites]
+    assert len(found) == EXPECTED_SITES["qwen3"], [r.summary() for r in helion_backend.get_reports()]
+    assert all(s.prologue and s.runs_on == "reference" for s in found), [r.summary() for r in helion_backend.get_reports()]
