@@ -296,3 +296,27 @@ def test_rule_that_stops_before_the_rescale_cannot_take_the_prologue(tmp_path):
     (site,) = sites(reports)
     assert site.rule == "int8_cast" and site.prologue == [] and site.epilogue == ["cast"], site
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", sorted(PROLOGUE))
+def test_dynamic_token_count(fmt):
+    """A marked-dynamic M keeps the prologue. ``dynamic=True`` may lift the format's float constants to
+    graph inputs, which the quantization then reads: the GEMM still fuses, and where the quantization
+    does not, the report says why."""
+    torch.manual_seed(9)
+    model = quantize(nn.Sequential(nn.Linear(256, 128), nn.GELU()), fmt)
+    for dynamic in (None, True):
+        torch._dynamo.reset()
+        helion_backend.clear_reports()
+        compiled = torch.compile(model, backend="helion_inductor", options=CPU_REWRITE, dynamic=dynamic)
+        for m in (3, 7, 40):
+            x = torch.randn(m, 256)
+            torch._dynamo.mark_dynamic(x, 0)
+            with torch.no_grad():
+                torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+        found = sites(helion_backend.get_reports())
+        assert found and all(site.m == "dynamic" for site in found), found
+        if dynamic is None:
+            assert [site.prologue for site in found] == [PROLOGUE[fmt]], found
+        for site in found:
+            assert site.prologue == PROLOGUE[fmt] or any("not a per-token one" in n for n in site.notes), site

@@ -40,6 +40,12 @@ def _fuse_activation_quant(site: GemmSite) -> None:
     step = site.chain[i]
     found = activation_quant(site.x, step.operand)
     if found is None:
+        if site.x.op == "call_function":
+            site.notes.append(
+                "the quantization before the GEMM is not a per-token one of the activation alone (it reads "
+                "other tensors, e.g. constants lifted to inputs by dynamic=True, or ops outside the "
+                "vocabulary): the GEMM reads the quantized activation"
+            )
         return
     chain = list(site.chain)
     chain[i] = Step("act_scale", step.nodes)
