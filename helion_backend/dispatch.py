@@ -64,6 +64,8 @@ def run_gemm_epilogue(
     x: torch.Tensor,
     weight: torch.Tensor,
     weight_layout: str,
+    up_weight: torch.Tensor | None,
+    up_layout: str,
     prologue: str,
     quant_program: str,
     operands: Sequence[torch.Tensor],
@@ -79,13 +81,14 @@ def run_gemm_epilogue(
     program = parse_program(quant_program) if quant_program else None
     steps = parse_epilogue(epilogue)
     w_kn = weight_kn(weight, weight_layout)
+    up_kn = weight_kn(up_weight, up_layout) if up_weight is not None else None
     flat = flatten_operands(operands, steps, w_kn.shape[1])
     m = x.shape[0]
     if x.is_cuda and m <= max_helion_m and helion_unavailable_reason() is None and (site, m) not in _FAILED:
         from .kernels import run_kernel
 
         try:
-            return run_kernel(kernel, x, w_kn, steps, flat, scalars, out_dtype, config_dir or None, program)
+            return run_kernel(kernel, x, w_kn, steps, flat, scalars, out_dtype, config_dir or None, program, up_kn)
         except Exception as e:  # a kernel that cannot compile or launch must not fail the model
             failure = _describe_failure(e)
             # The failed call's frames hold the output it had allocated, and a log record that keeps the
@@ -93,7 +96,7 @@ def run_gemm_epilogue(
             # that output sits in the graph's memory pool, untracked. Drop their locals.
             _clear_frames(e)
         _fall_back(site, m, failure)
-    return reference(x, w_kn, steps, flat, scalars, out_dtype, program)
+    return reference(x, w_kn, steps, flat, scalars, out_dtype, program, up_kn)
 
 
 def _clear_frames(error: BaseException | None) -> None:
@@ -127,11 +130,13 @@ def reference(
     scalars: Sequence[float],
     out_dtype: torch.dtype,
     program: QuantProgram | None = None,
+    up_kn: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The unfused computation: the activation quantized as ``program`` says (if given), the GEMM as the
-    graph ran it, the epilogue in fp32."""
+    """The unfused computation: the activation quantized as ``program`` says (if given), the GEMM (and a
+    gated MLP's up projection ``up_kn``) as the graph ran it, the epilogue in fp32."""
     if program is None:
-        return apply_epilogue(gemm_product(x, w_kn), steps, operands.__getitem__, scalars).to(out_dtype)
+        up = gemm_product(x, up_kn) if up_kn is not None else None
+        return apply_epilogue(gemm_product(x, w_kn), steps, operands.__getitem__, scalars, up).to(out_dtype)
     quantized, scale = quantize_rows(program, x)
     acc = gemm_product(quantized, w_kn) * scale.to(torch.float32)
     return apply_epilogue(acc, steps, operands.__getitem__, scalars).to(out_dtype)

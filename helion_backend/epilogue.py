@@ -88,6 +88,7 @@ def apply_epilogue(
     steps: Sequence[str],
     load_operand: Callable[[int], torch.Tensor],
     scalars: Sequence[float],
+    up: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Apply ``steps`` to the fp32 ``acc``.
 
@@ -95,7 +96,8 @@ def apply_epilogue(
     on the reference path, the current tile inside a kernel); it is upcast to fp32 here. ``cast`` is a
     no-op on the accumulator: the caller stores the result in the site's output dtype. So is
     ``act_scale``: the kernel that quantized the activation multiplies by its scale right after the
-    GEMM (the matcher only fuses it behind steps that commute with it).
+    GEMM (the matcher only fuses it behind steps that commute with it). ``up`` is the second
+    accumulator of a gated MLP (the up projection), which ``up_mul`` multiplies in.
     """
     next_operand = 0
     next_scalar = 0
@@ -108,6 +110,8 @@ def apply_epilogue(
             value = load_operand(next_operand).to(torch.float32)
             next_operand += 1
             acc = acc * value if EPILOGUE_STEPS[step].multiplies else acc + value
+        elif step == "up_mul":
+            acc = acc * up.to(torch.float32)
         elif step in ACTIVATION_FORMULAS:
             acc = ACTIVATION_FORMULAS[step](acc)
     return acc

@@ -261,6 +261,13 @@ def _parse_rule(table: dict[str, Any], index: int, locate: _Locator) -> Rule:
     if wrong_steps:
         raise fail("prologue", f"kernel family {kernel!r} runs prologue steps {list(family.prologue) or 'none'}, "
                                f"not {wrong_steps}")
+    epilogue = _patterns(table, "epilogue", EPILOGUE_STEPS, fail)
+    foreign = sorted(c for p in epilogue for c in p.choices if EPILOGUE_STEPS[c].only_in not in (None, kernel))
+    if foreign:
+        raise fail("epilogue", f"step {foreign[0]!r} needs kernel = {EPILOGUE_STEPS[foreign[0]].only_in!r}")
+    for needed in family.needs_steps:
+        if not any(p.choices == {needed} and not (p.optional or p.repeat) for p in epilogue):
+            raise fail("epilogue", f"kernel family {kernel!r} needs a required {needed!r} step in the epilogue")
     priority = _typed(table, "priority", int, fail) if "priority" in table else 0
     if abs(priority) > 1_000_000:
         raise fail("priority", f"priority {_QUOTE.repr(priority)} is out of range (|priority| <= 1000000)")
@@ -270,7 +277,7 @@ def _parse_rule(table: dict[str, Any], index: int, locate: _Locator) -> Rule:
         source=locate.key(index, None),
         anchors=frozenset(anchors),
         prologue=prologue,
-        epilogue=_patterns(table, "epilogue", EPILOGUE_STEPS, fail),
+        epilogue=epilogue,
         dtypes=frozenset(RULE_DTYPES[d] for d in dtype_names),
         where=tuple(_constraint(t, fail) for t in _string_list(table, "where", fail)),
         priority=priority,

@@ -321,8 +321,9 @@ def tune_key(
     """Tune one key (see the module docstring) and return its table entry; raises ``TuneError`` when no
     split yields a valid config. ``timer`` defaults to CUDA-graph replay on ``device``."""
     if key.kernel != DEFAULT_KERNEL_FAMILY:
-        raise TuneError(f"the tune command autotunes the {DEFAULT_KERNEL_FAMILY} family only; tune {key.kernel} "
-                        f"with benchmarks/sweep_gemm_configs.py --kernel {key.kernel}")
+        raise TuneError(f"the tune command autotunes the {DEFAULT_KERNEL_FAMILY} family only; {key.kernel} keys "
+                        "keep the shipped or default configs (benchmarks/sweep_gemm_configs.py --kernel sweeps the "
+                        "quantized families)")
     start = clock()
     timer = timer or functools.partial(time_callable_us, config=TIMING, device=device)
     itemsize = SUPPORTED_DTYPES[key.dtype].itemsize

@@ -29,6 +29,7 @@ class StepKind:
     operand: Operand
     doc: str
     multiplies: bool = False  # a tensor operand multiplies the value (else it is added)
+    only_in: str | None = None  # the one kernel family that can run this step, if not all of them
 
 
 # Unary activations. Their fp32 formulas live in :mod:`helion_backend.epilogue`; the matcher
@@ -47,6 +48,8 @@ EPILOGUE_STEPS: dict[str, StepKind] = {
         StepKind("tensor_scale", Operand.ELEMENT, "multiply by a one-element tensor", True),
         StepKind("act_scale", Operand.NONE, "multiply each row by the scale the fused activation "
                  "quantization computed (a token_scale whose operand the prologue produces)", True),
+        StepKind("up_mul", Operand.NONE, "multiply by a second GEMM of the same activation (a gated MLP's "
+                 "up projection), computed in the same kernel", True, only_in="gemm_glu"),
         *(StepKind(name, Operand.NONE, f"apply {name}") for name in ACTIVATIONS),
         StepKind("cast", Operand.NONE, "change the output dtype (the epilogue itself runs in fp32)"),
     )
@@ -54,7 +57,7 @@ EPILOGUE_STEPS: dict[str, StepKind] = {
 
 # Steps that only scale the accumulator: they commute with each other (up to fp32 rounding), so the
 # fused activation quantization may take its ``act_scale`` from behind them.
-SCALING_STEPS = frozenset(s.name for s in EPILOGUE_STEPS.values() if s.multiplies and s.name != "mul")
+SCALING_STEPS = frozenset(s.name for s in EPILOGUE_STEPS.values() if s.multiplies and s.name not in ("mul", "up_mul"))
 
 # Prologue steps: what happens to the GEMM's operands before the multiply, inside the kernel.
 QUANT_DTYPES: dict[str, torch.dtype] = {"float8_e4m3fn": torch.float8_e4m3fn, "int8": torch.int8}
@@ -111,6 +114,7 @@ class KernelFamily:
     dtypes: tuple[str, ...]
     prologue: tuple[str, ...] = ()
     needs_prologue: bool = False  # e.g. the weight-only kernel exists for its dequantization
+    needs_steps: tuple[str, ...] = ()  # epilogue steps every site of the family has (the gated MLP's up_mul)
 
 
 # Kernel families a rule may name; the kernels package registers an implementation for each.
@@ -121,6 +125,7 @@ KERNEL_FAMILIES: dict[str, KernelFamily] = {
         KernelFamily("gemm_fp8", ("float8_e4m3fn",), ("quant_fp8_per_token",)),
         KernelFamily("gemm_int8", ("int8",), ("quant_int8_per_token",)),
         KernelFamily("gemm_weight_only", tuple(SUPPORTED_DTYPES), ("dequant_int8",), needs_prologue=True),
+        KernelFamily("gemm_glu", tuple(SUPPORTED_DTYPES), needs_steps=("up_mul",)),
     )
 }
 DEFAULT_KERNEL_FAMILY = "gemm"

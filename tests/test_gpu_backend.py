@@ -145,3 +145,23 @@ def test_failing_helion_kernel_falls_back_with_a_warning(fault, monkeypatch, cap
     assert site.runs_on == "helion" and len(site.fallbacks) == 1, site
     warnings = [r.getMessage() for r in caplog.records if "falls back" in r.getMessage()]
     assert len(warnings) == 1 and site.anchor in warnings[0], warnings
+
+
+@pytest.mark.parametrize("m", [1, 16, 33])
+def test_gated_mlp_kernel_under_cuda_graphs(m):
+    """The experimental gated-MLP rule: gate and up in one Helion kernel, replayed under CUDA graphs."""
+    from helion_backend.rules import BUILTIN_RULES_DIR
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w_gate, w_up = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) / K**0.5 for _ in range(2))
+    fn = lambda x: F.silu(F.linear(x, w_gate)) * F.linear(x, w_up)  # noqa: E731
+    options = {"rules": [str(BUILTIN_RULES_DIR / "experimental" / "gated_mlp.toml")]}
+    helion_backend.clear_reports()
+    compiled = torch.compile(fn, backend="helion_inductor", options=options)
+    for _ in range(4):
+        x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+        out = compiled(x)
+        ref = F.silu(x.double() @ w_gate.double().t()) * (x.double() @ w_up.double().t())
+        assert rel_err(out, ref) <= 1e-2
+    (site,) = [s for rep in helion_backend.get_reports() for s in rep.sites]
+    assert site.rule == "gated_mlp" and site.runs_on == ("helion" if m <= 32 else "inductor"), site

@@ -87,3 +87,22 @@ def test_quantized_decoder_fuses_every_projection_with_its_prologue(fmt):
     found = [s for r in helion_backend.get_reports() for s in r.sites]
     assert len(found) == EXPECTED_SITES["qwen3"], [r.summary() for r in helion_backend.get_reports()]
     assert all(s.prologue and s.runs_on == "reference" for s in found), [r.summary() for r in helion_backend.get_reports()]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_gated_mlp_rules_fuse_gate_and_up_in_every_layer(name):
+    """With ``rules/experimental/gated_mlp.toml`` each layer's gate and up projections are one site."""
+    from helion_backend.rules import BUILTIN_RULES_DIR
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config(name)).eval()
+    ids = torch.randint(0, VOCAB, (2, 7))
+    options = {"rewrite_on_cpu": True, "rules": [str(BUILTIN_RULES_DIR / "experimental" / "gated_mlp.toml")]}
+    with torch.no_grad():
+        expected = model(ids).logits
+        helion_backend.clear_reports()
+        got = torch.compile(model, backend="helion_inductor", options=options)(ids).logits
+    assert ((got - expected).norm() / expected.norm()).item() < 1e-5
+    found = [s for r in helion_backend.get_reports() for s in r.sites]
+    assert len(found) == EXPECTED_SITES[name] - LAYERS, [r.summary() for r in helion_backend.get_reports()]
+    assert sum(s.rule == "gated_mlp" for s in found) == LAYERS

@@ -36,7 +36,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 NEEDS_LIBDEVICE = {"gelu", "gelu_tanh"}
-INTERPRETABLE_STEPS = [s for s in EPILOGUE_STEPS if s not in NEEDS_LIBDEVICE]
+# Steps every kernel family runs (``up_mul`` is the gated kernel's: test_gated_kernel_computes_both_projections).
+INTERPRETABLE_STEPS = [s for s, kind in EPILOGUE_STEPS.items() if s not in NEEDS_LIBDEVICE and kind.only_in is None]
 # Small blocks keep the interpreter fast and make every test shape span several, partial, tiles.
 BLOCKS = [16, 32, 32]
 
@@ -254,3 +255,27 @@ def test_weight_only_int8_kernel(layout):
     out = quant_gemm_helion(x, w_kn, steps, [scale, bias], [], torch.float32, config=config,
                             kernel_family="gemm_weight_only")
     assert rel_err(out, float64_reference(x, w_kn.double(), steps, [scale, bias], [])) <= 1e-5
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_kernel_computes_both_projections(dtype, layout):
+    """``silu(x @ w_gate) * (x @ w_up) + residual`` from one pass over x."""
+    from helion_backend.kernels.gemm import glu_gemm_helion
+
+    m, k, n = 5, 100, 72
+    x = torch.randn(m, k, dtype=dtype)
+    w_gate, w_up = weight(k, n, layout, dtype), weight(k, n, layout, dtype)
+    residual = torch.randn(m, n, dtype=dtype)
+    steps = ("silu", "up_mul", "residual")
+    config = helion.Config(block_sizes=BLOCKS, num_warps=4, num_stages=1)
+    out = glu_gemm_helion(x, w_gate, w_up, steps, [residual], [], dtype, config=config)
+    up = x.double() @ w_up.double()
+    ref = apply_epilogue(x.double() @ w_gate.double(), steps, [residual.double()].__getitem__, [], up)
+    assert rel_err(out, ref) <= TOLERANCE[dtype]
+
+
+def test_a_step_of_another_kernel_family_is_refused():
+    x, w_kn = torch.randn(4, 64), torch.randn(64, 32)
+    with pytest.raises(ValueError, match="'up_mul' runs only in the gemm_glu kernel, not in gemm"):
+        gemm_epilogue_helion(x, w_kn, ("silu", "up_mul"), [], [], torch.float32)

@@ -362,3 +362,11 @@ def test_tune_one_small_key_end_to_end(tmp_path, capsys):
     # A rerun finds the key done.
     assert main(["tune", str(manifest)]) == 0
     assert "skipped" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kernel", ["gemm_fp8", "gemm_glu"])
+def test_keys_of_other_kernel_families_are_refused_with_the_reason(kernel):
+    """The tuner drives the bf16 GEMM kernel; a manifest key of another family fails alone, saying so."""
+    key = TuneKey(kernel, ("bias",), "bfloat16", 256, 128, 4)
+    with pytest.raises(TuneError, match=f"autotunes the gemm family only; {kernel} keys keep"):
+        tuning.tune_key(key, torch.device("cpu"), effort="quick", budget_s=1)

@@ -9,11 +9,12 @@ import torch
 
 from ..quant_program import QuantProgram
 from ..vocabulary import KERNEL_FAMILIES
-from .gemm import gemm_epilogue_helion
+from .gemm import gemm_epilogue_helion, glu_gemm_helion
 from .quant_gemm import quant_gemm_helion
 
 KERNELS: dict[str, Callable[..., torch.Tensor]] = {
     "gemm": gemm_epilogue_helion,
+    "gemm_glu": glu_gemm_helion,
     **{family: functools.partial(quant_gemm_helion, kernel_family=family)
        for family in ("gemm_fp8", "gemm_int8", "gemm_weight_only")},
 }
@@ -30,12 +31,16 @@ def run_kernel(
     out_dtype: torch.dtype,
     config_dir: str | None = None,
     program: QuantProgram | None = None,
+    up_kn: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run the ``kernel`` family's Helion implementation with the config tables' pick for the shape
-    (user-tuned ones in ``config_dir`` first); ``program`` is a fused activation quantization."""
+    (user-tuned ones in ``config_dir`` first); ``program`` is a fused activation quantization, ``up_kn``
+    a gated MLP's up projection."""
+    if up_kn is not None:
+        return KERNELS[kernel](x, w_kn, up_kn, steps, operands, scalars, out_dtype, config_dir=config_dir)
     if program is not None:
         return KERNELS[kernel](x, w_kn, steps, operands, scalars, out_dtype, program, config_dir=config_dir)
     return KERNELS[kernel](x, w_kn, steps, operands, scalars, out_dtype, config_dir=config_dir)
 
 
-__all__ = ["KERNELS", "gemm_epilogue_helion", "quant_gemm_helion", "run_kernel"]
+__all__ = ["KERNELS", "gemm_epilogue_helion", "glu_gemm_helion", "quant_gemm_helion", "run_kernel"]

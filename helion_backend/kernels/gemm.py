@@ -69,6 +69,31 @@ def gemm_kernel(
         out[tile_split.id, tile_m, tile_n] = acc.to(out.dtype)
 
 
+@helion.kernel(static_shapes=True, autotune_effort="none", dot_precision="ieee")
+def glu_gemm_kernel(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_up: torch.Tensor,
+    out: torch.Tensor,
+    operands: list[torch.Tensor],
+    scalars: list[float],
+    epilogue: TileEpilogue,
+) -> None:
+    """``out = epilogue(x @ w, up=x @ w_up)``: a gated MLP's gate and up projections in one pass over x,
+    both accumulators in registers, only the epilogue's result stored (no split-K: two workspaces would
+    cost what the fusion saves)."""
+    m, k = x.size()
+    n = w.size(1)
+    for tile_m, tile_n in hl.tile([m, n]):
+        acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
+        acc_up = hl.zeros([tile_m, tile_n], dtype=torch.float32)
+        for tile_k in hl.tile(k):
+            x_tile = x[tile_m, tile_k]
+            acc = torch.addmm(acc, x_tile, w[tile_k, tile_n])
+            acc_up = torch.addmm(acc_up, x_tile, w_up[tile_k, tile_n])
+        out[tile_m, tile_n] = epilogue(acc, operands, scalars, tile_m, tile_n, acc_up).to(out.dtype)
+
+
 @helion.kernel(static_shapes=True, autotune_effort="none")
 def epilogue_kernel(
     partial_sums: torch.Tensor,
@@ -99,12 +124,13 @@ def tile_epilogue(steps: tuple[str, ...]) -> TileEpilogue:
         scalars: list[float],
         tile_m: hl.Tile,
         tile_n: hl.Tile,
+        up: torch.Tensor | None = None,
     ) -> torch.Tensor:
         def load_operand(i: int) -> torch.Tensor:
             operand = operands[i]
             return operand[tile_n] if operand.ndim == 1 else operand[tile_m, tile_n]
 
-        return epilogue_module.apply_epilogue(acc, steps, load_operand, scalars)
+        return epilogue_module.apply_epilogue(acc, steps, load_operand, scalars, up)
 
     return epilogue
 
@@ -132,7 +158,7 @@ class Signature(NamedTuple):
 
 
 @functools.cache
-def _check_signature(sig: Signature) -> None:
+def check_signature(sig: Signature) -> None:
     """Reject, once per signature, what the kernel would compute wrongly or fail on deep inside Helion."""
     if len(sig.x.shape) != 2 or len(sig.w.shape) != 2 or sig.x.shape[1] != sig.w.shape[0]:
         raise ValueError(f"expected x [M, K] and w_kn [K, N], got {sig.x.shape} and {sig.w.shape}")
@@ -162,6 +188,15 @@ def check_operands(sig: Signature) -> None:
             raise ValueError(
                 f"operand {i} ({kind.value}) must have shape {expected[kind]}, got {operand.shape}"
             )
+
+
+def check_family_steps(steps: Sequence[str], family: str) -> None:
+    """Refuse a step that only another kernel family runs (``up_mul`` needs the gated kernel's second
+    accumulator)."""
+    foreign = [s for s in steps if EPILOGUE_STEPS[s].only_in not in (None, family)]
+    if foreign:
+        raise ValueError(f"epilogue step {foreign[0]!r} runs only in the {EPILOGUE_STEPS[foreign[0]].only_in} "
+                         f"kernel, not in {family}")
 
 
 # (kernel name, signature, config) -> compiled host function of the kernel.
@@ -212,7 +247,8 @@ def gemm_epilogue_helion(
     sig = Signature(
         Layout.of(x), Layout.of(w_kn), tuple(map(Layout.of, operands)), len(scalars), steps, out_dtype
     )
-    _check_signature(sig)
+    check_signature(sig)
+    check_family_steps(steps, "gemm")
     (m, k), n = x.shape, w_kn.shape[1]
     if config is None:
         config = config_for(m, k, n, x.dtype, x.device, config_dir)
@@ -246,3 +282,34 @@ def gemm_kernel_args(
     (m, k), n = x.shape, w_kn.shape[1]
     partial_sums = torch.empty((num_k_splits(k, split_k), m, n), dtype=torch.float32, device=x.device)
     return (x, w_kn, partial_sums, operands, scalars, epilogue)
+
+
+def glu_gemm_helion(
+    x: torch.Tensor,
+    w_kn: torch.Tensor,
+    up_kn: torch.Tensor,
+    steps: tuple[str, ...],
+    operands: Sequence[torch.Tensor],
+    scalars: Sequence[float],
+    out_dtype: torch.dtype,
+    config: helion.Config | None = None,
+    config_dir: str | None = None,
+) -> torch.Tensor:
+    """``epilogue(x @ w_kn)`` with the epilogue's ``up_mul`` multiplying by ``x @ up_kn``, as a contiguous
+    [M, N] ``out_dtype`` tensor: one kernel, x read once for both projections."""
+    steps, operands, scalars = tuple(steps), list(operands), [float(s) for s in scalars]
+    sig = Signature(Layout.of(x), Layout.of(w_kn), tuple(map(Layout.of, operands)), len(scalars), steps, out_dtype)
+    check_signature(sig)
+    check_family_steps(steps, "gemm_glu")
+    if Layout.of(up_kn)[:2] != Layout.of(w_kn)[:2]:
+        raise ValueError(f"the up projection {tuple(up_kn.shape)} {up_kn.dtype} must match the gate's "
+                         f"{tuple(w_kn.shape)} {w_kn.dtype}")
+    (m, k), n = x.shape, w_kn.shape[1]
+    if config is None:
+        config = config_for(m, k, n, x.dtype, x.device, config_dir, "gemm_glu")
+    # The default and tuned GEMM configs may carry a split-K factor; this kernel has no such tunable.
+    config = helion.Config(**{key: value for key, value in config.items() if key != "split_k"})
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    args = (x, w_kn, up_kn, out, operands, scalars, tile_epilogue(steps))
+    compiled_kernel(glu_gemm_kernel, args, (sig, Layout.of(up_kn)), config, 1)(*args)
+    return out

@@ -37,6 +37,7 @@ from .configs import EPILOGUE_CONFIG, PREQUANTIZE, config_for
 from .gemm import (
     Layout,
     Signature,
+    check_family_steps,
     check_operands,
     compiled_kernel,
     epilogue_kernel,
@@ -177,6 +178,7 @@ def quant_gemm_helion(
         Layout.of(x), Layout.of(w_kn), tuple(map(Layout.of, operands)), len(scalars), steps, out_dtype
     )
     check_operands(sig)
+    check_family_steps(steps, kernel_family)
     (m, k), n = x.shape, w_kn.shape[1]
     gemm_dtype = program.quant_dtype if program is not None else x.dtype
     if config is None:

@@ -5,7 +5,7 @@ Each pass is one module with ``run(ctx: PassContext) -> None``. The pipeline is 
 handed to Inductor unchanged.
 """
 
-from . import cleanup, legality, match, normalize, rewrite
+from . import cleanup, legality, match, normalize, rewrite, siblings
 
-ANALYSIS = (normalize, match, legality)
+ANALYSIS = (normalize, match, siblings, legality)
 TRANSFORMS = (rewrite, cleanup)

@@ -57,6 +57,9 @@ class GemmSite:
     # Fused prologue steps, and for an activation quantization its program (x is then the float input).
     prologue: list[Step] = field(default_factory=list)
     quant_program: QuantProgram | None = None
+    # A gated MLP's up projection, multiplied in by the ``up_mul`` step: its weight as stored, and layout.
+    up_weight: fx.Node | None = None
+    up_layout: str = "nk"
     # What fusing the prologue changed (attribute -> old value): undone when no rule takes it.
     undo_prologue: list[dict[str, object]] = field(default_factory=list)
     rule: Rule | None = None

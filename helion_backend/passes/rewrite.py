@@ -65,6 +65,8 @@ def _replace(graph: fx.Graph, site: GemmSite, config_dir: str, name: str) -> Non
         site.x,
         site.weight,
         site.weight_layout,
+        site.up_weight,
+        site.up_layout,
         format_steps([s.name for s in site.prologue]),
         site.quant_program.to_json() if site.quant_program is not None else "",
         [s.operand for s in steps if s.operand is not None],

@@ -1,0 +1,91 @@
+"""Siblings: a gated MLP's gate and up projections, ``act(x @ w_gate) * (x @ w_up)``, become one site.
+
+A site whose epilogue starts with an activation and then multiplies by another plain GEMM of the same
+activation (same K, N and dtype, whose result nothing else reads) tries the rules again with that
+multiply as ``up_mul``. If a rule of the ``gemm_glu`` family takes it, the up projection's site is
+absorbed: one kernel computes both accumulators, reading x once, and stores only the product.
+Otherwise both sites stay as match left them. The weights are read where they are: nothing is
+concatenated, so the fusion stays correct when the parameters change.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..patterns import val
+from ..vocabulary import ACTIVATIONS, SUPPORTED_DTYPES
+from .context import GemmSite, PassContext, Step
+from .match import choose_rule, follow_chain
+
+aten = torch.ops.aten
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+
+def run(ctx: PassContext) -> None:
+    if not any(r.kernel == "gemm_glu" for r in ctx.rules):
+        return
+    plain = {_result(site): site for site in ctx.sites if _is_plain(site)}
+    for site in list(ctx.sites):
+        if site in ctx.sites and site.rule is not None and _is_float(site):
+            _try_gated(site, plain, ctx)
+
+
+def _try_gated(site: GemmSite, plain: dict[fx.Node, GemmSite], ctx: PassContext) -> None:
+    chosen = (site.chain, site.rule, site.reason)
+    follow_chain(site)  # the whole chain, not the prefix the chosen rule kept
+    steps = [(i, s) for i, s in enumerate(site.chain) if not s.transparent]
+    up = _up_projection(site, steps, plain)
+    if up is None:
+        site.chain, site.rule, site.reason = chosen
+        return
+    i, mul = steps[1]
+    site.chain = [*site.chain[:i], Step("up_mul", mul.nodes), *site.chain[i + 1:]]
+    site.up_weight, site.up_layout = up.weight, up.weight_layout
+    choose_rule(site, ctx.rules)
+    if site.rule is not None and site.rule.kernel == "gemm_glu":
+        ctx.sites.remove(up)
+        site.notes.append(f"the up projection {up.anchor.name} runs in the same kernel (x read once)")
+        return
+    site.up_weight = None
+    site.chain, site.rule, site.reason = chosen
+
+
+def _up_projection(site: GemmSite, steps: list[tuple[int, Step]], plain: dict[fx.Node, GemmSite]) -> GemmSite | None:
+    """The plain GEMM site that the site's second step multiplies by, when it is a gated MLP's up."""
+    if len(steps) < 2 or steps[0][1].name not in ACTIVATIONS or steps[1][1].name != "mul":
+        return None
+    mul = steps[1][1]
+    up = plain.get(mul.operand)
+    if up is None or up is site or len(mul.operand.users) != 1:
+        return None
+    same_shape = (up.k, up.n, up.dtype, up.device) == (site.k, site.n, site.dtype, site.device)
+    if not same_shape or not _same_activation(up.x, site.x):
+        return None
+    return up
+
+
+def _is_float(site: GemmSite) -> bool:
+    return not site.prologue and site.dtype in SUPPORTED_DTYPES.values()
+
+
+def _is_plain(site: GemmSite) -> bool:
+    """A float GEMM with nothing of its own around it: no addmm bias, no prologue, one reader."""
+    return (_is_float(site) and not site.leading_steps and site.anchor.target is aten.mm.default
+            and len(site.anchor.users) == 1)
+
+
+def _result(site: GemmSite) -> fx.Node:
+    """What the rest of the graph reads of a plain GEMM: the mm, or its 3-D view for a 3-D linear."""
+    (user,) = site.anchor.users
+    return user if user.target in _VIEWS else site.anchor
+
+
+def _same_activation(a: fx.Node, b: fx.Node) -> bool:
+    """The same node, or two views of one tensor with the same shape (each F.linear makes its own)."""
+    if a is b:
+        return True
+    if a.target not in _VIEWS or b.target not in _VIEWS or a.args[0] is not b.args[0]:
+        return False
+    va, vb = val(a), val(b)
+    return va is not None and vb is not None and tuple(va.shape) == tuple(vb.shape)
