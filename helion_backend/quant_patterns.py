@@ -19,7 +19,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .patterns import same_shape, val
 from .quant_program import CONVERT, REDUCE, Instruction, QuantProgram, Value, check_program, ref
-from .vocabulary import QUANT_DTYPES, SUPPORTED_DTYPES
+from .vocabulary import QUANT_DTYPES, SUPPORTED_DTYPES, dtype_name
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -175,7 +175,7 @@ def _program(x: fx.Node, nodes: list[fx.Node], quantized: fx.Node, scale: fx.Nod
         return None
     program = QuantProgram(
         tuple(instructions), refs[reduced], refs[amax], refs[scale], refs[quantized],
-        str(reduced_val.dtype).removeprefix("torch."),
+        dtype_name(reduced_val.dtype),
     )
     try:
         check_program(program)
@@ -198,7 +198,7 @@ def _instruction(node: fx.Node, refs: dict[fx.Node, str]) -> Instruction | None:
                                                    and dtype not in QUANT_DTYPES.values()):
             return None
         source = arg(node.args[0])
-        return None if source is _INVALID else Instruction(CONVERT, (source, str(dtype).removeprefix("torch.")))
+        return None if source is _INVALID else Instruction(CONVERT, (source, dtype_name(dtype)))
     if node.target is operator.getitem:  # max.dim(v, dim, keepdim)[0]
         reduction = node.args[0]
         if node.args[1] != 0 or not _reduces_last_dim(reduction, *reduction.args[1:]):

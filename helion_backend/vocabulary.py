@@ -12,6 +12,10 @@ from dataclasses import dataclass
 import torch
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 class Operand(enum.Enum):
     """What extra input an epilogue step reads, and the shape the fused op expects it in."""
 
@@ -61,20 +65,19 @@ SCALING_STEPS = frozenset(s.name for s in EPILOGUE_STEPS.values() if s.multiplie
 
 # Prologue steps: what happens to the GEMM's operands before the multiply, inside the kernel.
 QUANT_DTYPES: dict[str, torch.dtype] = {"float8_e4m3fn": torch.float8_e4m3fn, "int8": torch.int8}
+# Dynamic per-token activation quantization, by the dtype it quantizes to.
+ACTIVATION_QUANT_STEPS: dict[torch.dtype, str] = {
+    torch.float8_e4m3fn: "quant_fp8_per_token",
+    torch.int8: "quant_int8_per_token",
+}
 PROLOGUE_STEPS: dict[str, StepKind] = {
     step.name: step
     for step in (
-        *(StepKind(f"quant_{short}_per_token", Operand.NONE,
-                   f"quantize the activation to {name} with a dynamic per-token scale (amax over K)")
-          for short, name in (("fp8", "float8_e4m3fn"), ("int8", "int8"))),
+        *(StepKind(name, Operand.NONE, f"quantize the activation to {dtype_name(dtype)} with a dynamic "
+                   "per-token scale (amax over K)") for dtype, name in ACTIVATION_QUANT_STEPS.items()),
         StepKind("dequant_int8", Operand.NONE, "convert an int8 weight to the activation's dtype"),
     )
 }
-
-
-def activation_quant_step(dtype: torch.dtype) -> str:
-    """The prologue step name for dynamic per-token quantization to ``dtype``."""
-    return {torch.float8_e4m3fn: "quant_fp8_per_token", torch.int8: "quant_int8_per_token"}[dtype]
 
 
 class Anchor(enum.Enum):
@@ -122,14 +125,10 @@ KERNEL_FAMILIES: dict[str, KernelFamily] = {
     family.name: family
     for family in (
         KernelFamily("gemm", tuple(SUPPORTED_DTYPES)),
-        KernelFamily("gemm_fp8", ("float8_e4m3fn",), ("quant_fp8_per_token",)),
-        KernelFamily("gemm_int8", ("int8",), ("quant_int8_per_token",)),
+        KernelFamily("gemm_fp8", ("float8_e4m3fn",), (ACTIVATION_QUANT_STEPS[torch.float8_e4m3fn],)),
+        KernelFamily("gemm_int8", ("int8",), (ACTIVATION_QUANT_STEPS[torch.int8],)),
         KernelFamily("gemm_weight_only", tuple(SUPPORTED_DTYPES), ("dequant_int8",), needs_prologue=True),
         KernelFamily("gemm_glu", tuple(SUPPORTED_DTYPES), needs_steps=("up_mul",)),
     )
 }
 DEFAULT_KERNEL_FAMILY = "gemm"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

@@ -12,7 +12,7 @@ from typing import Sequence
 from ..patterns import next_step, val
 from ..quant_patterns import activation_quant
 from ..rules import Rule
-from ..vocabulary import KERNEL_FAMILIES, QUANT_DTYPES, SCALING_STEPS, activation_quant_step
+from ..vocabulary import ACTIVATION_QUANT_STEPS, KERNEL_FAMILIES, QUANT_DTYPES, SCALING_STEPS
 from .context import GemmSite, PassContext, Step
 
 _MAX_CHAIN = 32
@@ -50,7 +50,7 @@ def _fuse_activation_quant(site: GemmSite) -> None:
     chain = list(site.chain)
     chain[i] = Step("act_scale", step.nodes)
     site.fuse_prologue(
-        Step(activation_quant_step(found.program.quant_dtype), list(found.nodes)),
+        Step(ACTIVATION_QUANT_STEPS[found.program.quant_dtype], list(found.nodes)),
         x=found.x, quant_program=found.program, chain=chain,
     )
 
