@@ -14,7 +14,7 @@ import torch
 from . import report
 from .epilogue import apply_epilogue, operand_kinds, parse_epilogue, parse_prologue
 from .quant_program import QuantProgram, parse_program, quantize_rows
-from .vocabulary import QUANT_DTYPES, Operand
+from .vocabulary import DEFAULT_KERNEL_FAMILY, QUANT_DTYPES, Operand
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def placement_digest(config_dir: str) -> str:
 
 def helion_size_limit(
     k: int, n: int, dtype: torch.dtype, device: torch.device, max_helion_size: int, config_dir: str,
-    kernel: str = "gemm",
+    kernel: str = DEFAULT_KERNEL_FAMILY,
 ) -> tuple[int, str | None]:
     """The largest M that runs the Helion kernel at this shape, and why it is below ``max_helion_size``.
 

@@ -43,9 +43,7 @@ _OPS: dict[str, Callable[..., torch.Tensor]] = {
 CONVERT = "convert"  # args: (value, dtype name)
 REDUCE = "amax"  # the one reduction: max over the last dimension, kept as a [.., 1] column
 
-# A value's name: "v0" is x, "v{i + 1}" instruction i's result. Names are strings, not indices, because
-# Helion turns the integers it finds in a device function's closure into symbols, and a symbol cannot
-# index a Python container.
+# A value's name: "v0" is x, "v{i + 1}" instruction i's result.
 Ref = str
 
 

@@ -113,7 +113,7 @@ def expand_keys(sites: Sequence[ManifestSite], num_tokens: Sequence[int]) -> lis
 
 
 def _entry_key(entry: Mapping[str, Any]) -> TableKey:
-    return (entry.get("kernel", "gemm"), entry["dtype"], int(entry["k"]), int(entry["n"]), int(entry["m"]))
+    return (entry.get("kernel", DEFAULT_KERNEL_FAMILY), entry["dtype"], int(entry["k"]), int(entry["n"]), int(entry["m"]))
 
 
 @dataclasses.dataclass

@@ -19,6 +19,8 @@ from typing import NamedTuple
 import helion
 import torch
 
+from ..vocabulary import DEFAULT_KERNEL_FAMILY, dtype_name
+
 log = logging.getLogger(__name__)
 
 # Measured configs, one JSON file per GPU (benchmarks/sweep_gemm_configs.py writes them).
@@ -116,7 +118,7 @@ def _read_table(path: Path) -> dict[TableKey, list[TunedEntry]]:
     table: dict[TableKey, list[TunedEntry]] = {}
     try:
         for entry in json.loads(path.read_text())["entries"]:
-            key = (entry.get("kernel", "gemm"), entry["dtype"], int(entry["k"]), int(entry["n"]))
+            key = (entry.get("kernel", DEFAULT_KERNEL_FAMILY), entry["dtype"], int(entry["k"]), int(entry["n"]))
             wins = entry.get("helion_wins")
             tuned = TunedEntry(int(entry["m"]), helion.Config(**entry["config"]), None if wins is None else bool(wins))
             table.setdefault(key, []).append(tuned)
@@ -141,13 +143,13 @@ def _entries(
 ) -> list[TunedEntry]:
     if device.type != "cuda":
         return []
-    return _table(gpu_key(device), user_dir).get((kernel, str(dtype).removeprefix("torch."), k, n), [])
+    return _table(gpu_key(device), user_dir).get((kernel, dtype_name(dtype), k, n), [])
 
 
 @functools.cache
 def config_for(
     m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, user_dir: str | None = None,
-    kernel: str = "gemm",
+    kernel: str = DEFAULT_KERNEL_FAMILY,
 ) -> helion.Config:
     """The tuned config of the ``kernel`` family for the smallest tuned M >= m at this (K, N), else the
     largest tuned M, else :func:`default_config`. ``user_dir`` holds user-tuned tables that override the
@@ -164,7 +166,8 @@ def config_for(
 
 @functools.cache
 def measured_crossover(
-    k: int, n: int, dtype: torch.dtype, device: torch.device, user_dir: str | None = None, kernel: str = "gemm"
+    k: int, n: int, dtype: torch.dtype, device: torch.device, user_dir: str | None = None,
+    kernel: str = DEFAULT_KERNEL_FAMILY,
 ) -> int | None:
     """The largest tuned M below the first tuned M at which Helion lost to cuBLAS + Inductor at this
     (K, N) (0 if it lost at the smallest); None where the tables record no loss for the shape."""

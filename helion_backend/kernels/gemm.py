@@ -32,7 +32,7 @@ from helion.autotuner import PowerOfTwoFragment
 # epilogue runs with its real globals (and its float constants become literals in the kernel).
 from .. import epilogue as epilogue_module
 from ..epilogue import num_scalars, operand_kinds
-from ..vocabulary import EPILOGUE_STEPS, Operand
+from ..vocabulary import DEFAULT_KERNEL_FAMILY, EPILOGUE_STEPS, Operand
 from .configs import EPILOGUE_CONFIG, config_for
 
 SUPPORTED_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -248,7 +248,7 @@ def gemm_epilogue_helion(
         Layout.of(x), Layout.of(w_kn), tuple(map(Layout.of, operands)), len(scalars), steps, out_dtype
     )
     check_signature(sig)
-    check_family_steps(steps, "gemm")
+    check_family_steps(steps, DEFAULT_KERNEL_FAMILY)
     (m, k), n = x.shape, w_kn.shape[1]
     if config is None:
         config = config_for(m, k, n, x.dtype, x.device, config_dir)
