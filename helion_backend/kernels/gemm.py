@@ -309,7 +309,22 @@ def glu_gemm_helion(
         config = config_for(m, k, n, x.dtype, x.device, config_dir, "gemm_glu")
     # The default and tuned GEMM configs may carry a split-K factor; this kernel has no such tunable.
     config = helion.Config(**{key: value for key, value in config.items() if key != "split_k"})
+    config = _fit_two_weights(config, x.dtype.itemsize)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     args = (x, w_kn, up_kn, out, operands, scalars, tile_epilogue(steps))
     compiled_kernel(glu_gemm_kernel, args, (sig, Layout.of(up_kn)), config, 1)(*args)
     return out
+
+
+# Shared memory a pipelined config may use for its tiles (the H100/H200 limit is 227 KB a block).
+_SHARED_MEMORY_BUDGET = 160 * 1024
+
+
+def _fit_two_weights(config: helion.Config, itemsize: int) -> helion.Config:
+    """Halve the K block until the stages of x's tile and two weight tiles fit in shared memory (a
+    config sized for one weight tile, such as the decode default, would not)."""
+    block_m, block_n, block_k = config["block_sizes"]
+    stages = config.get("num_stages", 1)
+    while block_k > 16 and stages * (block_m + 2 * block_n) * block_k * itemsize > _SHARED_MEMORY_BUDGET:
+        block_k //= 2
+    return helion.Config(**{**config, "block_sizes": [block_m, block_n, block_k]})
