@@ -54,6 +54,7 @@ from benchmarks.common import (
     relative_error,
     run_metadata,
     time_wallclock_us,
+    write_result_files,
 )
 
 
@@ -593,12 +594,8 @@ def markdown(metadata: dict, rows: Sequence[dict]) -> str:
 
 def write_results(out_dir: Path, metadata: dict, rows: Sequence[dict]) -> Path:
     """Write ``<device>_<dtype>.json`` (``<device>_quant.json``) and ``.md`` into ``out_dir``; return the JSON path."""
-    out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"{metadata['device_tag']}_{'quant' if metadata.get('quants') else metadata['dtype']}"
-    json_path = stem.with_suffix(".json")
-    json_path.write_text(json.dumps({"metadata": metadata, "rows": list(rows)}, indent=1) + "\n")
-    stem.with_suffix(".md").write_text(markdown(metadata, rows))
-    return json_path
+    return write_result_files(stem, metadata, rows, markdown(metadata, rows))
 
 
 def restate_floors(row: dict, measured: dict, ceilings: dict) -> dict:
@@ -617,9 +614,7 @@ def merge_results(paths: Sequence[Path], out_dir: Path) -> Path:
     for data in shards:
         for row in data["rows"]:
             key = (row["suite"], row["name"], row["m"], row["epilogue"], row["dtype"], row.get("quant"))
-            rows[key] = restate_floors(
-                row, data["metadata"], ceilings
-            )
+            rows[key] = restate_floors(row, data["metadata"], ceilings)
     variants = [v for v in VARIANTS if any(v in row["times_us"] for row in rows.values())]
     merged = {
         **shards[-1]["metadata"],

@@ -5,6 +5,9 @@ metadata helpers (:mod:`helion_backend.timing`, which the tuner uses too), re-ex
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -91,3 +94,12 @@ def measure_ceilings(device: torch.device, dtype: torch.dtype) -> Ceilings:
 def device_tag(device: torch.device) -> str:
     """File-name tag of the device, the config tables' GPU key (``"nvidia_h200"``); ``"cpu"`` on a CPU."""
     return gpu_key(device) if device.type == "cuda" else device.type
+
+
+def write_result_files(stem: Path, metadata: dict, rows: Sequence[dict], markdown: str) -> Path:
+    """``<stem>.json`` (metadata and rows) and ``<stem>.md`` (the table); returns the JSON path."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    json_path = stem.with_suffix(".json")
+    json_path.write_text(json.dumps({"metadata": metadata, "rows": list(rows)}, indent=1) + "\n")
+    stem.with_suffix(".md").write_text(markdown)
+    return json_path

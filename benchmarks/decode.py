@@ -84,6 +84,7 @@ from benchmarks.common import (
     median_replay_ms,
     relative_error,
     run_metadata,
+    write_result_files,
 )
 
 # ----------------------------------------------------------------------------------------------------
@@ -717,12 +718,7 @@ def markdown(metadata: dict, rows: Sequence[dict]) -> str:
 
 def write_results(out_dir: Path, metadata: dict, rows: Sequence[dict]) -> Path:
     """Write ``<device>_decode.json`` and ``.md`` into ``out_dir``; return the JSON path."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"{metadata['device_tag']}_decode"
-    json_path = stem.with_suffix(".json")
-    json_path.write_text(json.dumps({"metadata": metadata, "rows": list(rows)}, indent=1) + "\n")
-    stem.with_suffix(".md").write_text(markdown(metadata, rows))
-    return json_path
+    return write_result_files(out_dir / f"{metadata['device_tag']}_decode", metadata, rows, markdown(metadata, rows))
 
 
 def merge_results(paths: Sequence[Path], out_dir: Path) -> Path:

@@ -196,18 +196,17 @@ def test_rejects_malformed_epilogue_arguments(steps, operands, scalars, match):
 # records it from a model's graph, and the kernel must compute what the unfused graph computes.
 
 
-def program_from(quantize_fn, x: torch.Tensor):
-    """The recorded program of ``quantize_fn(x) -> (x_quantized, scale)``, traced as Inductor sees it."""
-    from torch._inductor.decomposition import select_decomp_table
-    from torch.fx.experimental.proxy_tensor import make_fx
+def program_from(quantize_fn, x: torch.Tensor, w_kn: torch.Tensor):
+    """The program the backend records for ``quantize_fn(x) -> (x_quantized, scale)`` before an int8 GEMM."""
+    from helion_backend.passes.trace import trace_sites
 
-    from helion_backend.quant_patterns import activation_quant
+    def linear(x):
+        quantized, scale = quantize_fn(x)
+        return torch._int_mm(quantized, w_kn).to(torch.float32) * scale
 
-    gm = make_fx(quantize_fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(x)
-    quantized, scale = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-    found = activation_quant(quantized, scale)
-    assert found is not None, gm.graph
-    return found.program
+    (site,) = trace_sites(linear, x)
+    assert site.quant_program is not None, site
+    return site.quant_program
 
 
 def int8_per_token(x):
@@ -232,7 +231,7 @@ def test_dynamic_int8_kernel_matches_the_unfused_graph(split_k, prequantize):
     m, k, n = 5, 600, 40
     x = torch.randn(m, k)
     w_kn = torch.randint(-128, 128, (n, k), dtype=torch.int8).t()
-    program = program_from(int8_per_token, x)
+    program = program_from(int8_per_token, x, w_kn)
     operands = [torch.rand(n) + 0.5, torch.randn(n)]
     config = helion.Config(block_sizes=BLOCKS, num_warps=4, num_stages=1, split_k=split_k,
                            **{PREQUANTIZE: prequantize})

@@ -190,7 +190,8 @@ def check_operands(sig: Signature) -> None:
             )
 
 
-def check_family_steps(steps: Sequence[str], family: str) -> None:
+@functools.cache  # on every launch
+def check_family_steps(steps: tuple[str, ...], family: str) -> None:
     """Refuse a step that only another kernel family runs (``up_mul`` needs the gated kernel's second
     accumulator)."""
     foreign = [s for s in steps if EPILOGUE_STEPS[s].only_in not in (None, family)]
@@ -307,8 +308,6 @@ def glu_gemm_helion(
     (m, k), n = x.shape, w_kn.shape[1]
     if config is None:
         config = config_for(m, k, n, x.dtype, x.device, config_dir, "gemm_glu")
-    # The default and tuned GEMM configs may carry a split-K factor; this kernel has no such tunable.
-    config = helion.Config(**{key: value for key, value in config.items() if key != "split_k"})
     config = _fit_two_weights(config, x.dtype.itemsize)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     args = (x, w_kn, up_kn, out, operands, scalars, tile_epilogue(steps))
@@ -320,9 +319,12 @@ def glu_gemm_helion(
 _SHARED_MEMORY_BUDGET = 160 * 1024
 
 
+@functools.cache  # on every launch
 def _fit_two_weights(config: helion.Config, itemsize: int) -> helion.Config:
-    """Halve the K block until the stages of x's tile and two weight tiles fit in shared memory (a
-    config sized for one weight tile, such as the decode default, would not)."""
+    """``config`` for the gated kernel: without a split-K factor (it has no such tunable), and the K
+    block halved until the stages of x's tile and two weight tiles fit in shared memory (a config sized
+    for one weight tile, such as the decode default, would not)."""
+    config = helion.Config(**{key: value for key, value in config.items() if key != "split_k"})
     block_m, block_n, block_k = config["block_sizes"]
     stages = config.get("num_stages", 1)
     while block_k > 16 and stages * (block_m + 2 * block_n) * block_k * itemsize > _SHARED_MEMORY_BUDGET:

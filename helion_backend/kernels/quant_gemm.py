@@ -23,6 +23,7 @@ per-token scale, which distributes over the sum) and :func:`.gemm.epilogue_kerne
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import helion
@@ -183,8 +184,8 @@ def quant_gemm_helion(
     gemm_dtype = program.quant_dtype if program is not None else x.dtype
     if config is None:
         config = config_for(m, k, n, gemm_dtype, x.device, config_dir, kernel_family)
-    prequantize = program is not None and bool(config.get(PREQUANTIZE, False))
-    config = helion.Config(**{key: value for key, value in config.items() if key != PREQUANTIZE})
+    prequantize, config = _split_prequantize(config)
+    prequantize = prequantize and program is not None
     if prequantize:
         quantized, scale = quantize_rows(x, program)
         # The rows' scale becomes an epilogue operand; it commutes with the scaling steps before act_scale.
@@ -208,6 +209,13 @@ def quant_gemm_helion(
     finish_args = (target, out, operands, scalars, epilogue)
     compiled_kernel(epilogue_kernel, finish_args, sig, EPILOGUE_CONFIG, target.shape[0])(*finish_args)
     return out
+
+
+@functools.cache  # on every launch
+def _split_prequantize(config: helion.Config) -> tuple[bool, helion.Config]:
+    """Our ``prequantize`` key, and the config without it (what Helion sees)."""
+    rest = helion.Config(**{key: value for key, value in config.items() if key != PREQUANTIZE})
+    return bool(config.get(PREQUANTIZE, False)), rest
 
 
 def quantize_rows(x: torch.Tensor, program: QuantProgram) -> tuple[torch.Tensor, torch.Tensor]:
