@@ -42,6 +42,24 @@ def test_gate_and_up_become_one_site(dtype, lead):
     torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
 
 
+def test_gate_and_up_on_rows_padded_by_inductor_become_one_site():
+    """On CUDA, Inductor's pad_mm pads an unaligned M of each projection and slices it back (M = 33
+    became 40 and left gate and up as two sites): the padding is seen through and they fuse."""
+    torch.manual_seed(2)
+    w_gate, w_up = torch.randn(64, 96), torch.randn(64, 96)
+
+    def fn(x):
+        gate = (torch.constant_pad_nd(x, [0, 0, 0, 7]) @ w_gate)[:33]
+        up = (torch.constant_pad_nd(x, [0, 0, 0, 7]) @ w_up)[:33]
+        return F.silu(gate) * up
+
+    x = torch.randn(33, 64)
+    out, reports = compile_run(fn, x, options={**WITH_GATED, "max_helion_size": 64})
+    (site,) = sites(reports)
+    assert (site.rule, site.m, site.epilogue) == ("gated_mlp", 33, ["silu", "up_mul"]), site
+    torch.testing.assert_close(out, fn(x), rtol=1e-5, atol=1e-5)
+
+
 def test_without_the_experimental_rules_gate_and_up_stay_two_sites():
     torch.manual_seed(1)
     model = GatedMLP().eval()

@@ -192,3 +192,60 @@ def test_run_time_fallbacks_are_noted_in_the_site_report():
     (site,) = sites(helion_backend.get_reports())
     assert site.fallbacks == ["M=4: Helion kernel failed (boom)"]
     assert "fallback: M=4: Helion kernel failed (boom)" in reports[0].summary()
+
+
+def test_rows_padded_by_inductor_are_seen_through(op_calls):
+    """On CUDA, Inductor's pad_mm pads an unaligned M (34 -> 40) and slices the product back: the site
+    is the real M, fuses the epilogue past the slice, and multiplies the unpadded rows."""
+    x, w, b = randn(34, 48), randn(48, 64), randn(64)
+
+    def fn(x, w, b):
+        padded = torch.constant_pad_nd(x, [0, 0, 0, 6])
+        return F.gelu((padded @ w)[:-6, :] + b)  # as pad_mm slices it back
+
+    out, reports = compile_run(fn, x, w, b, options={"rewrite_on_cpu": True, "max_helion_size": 64})
+    (site,) = sites(reports)
+    assert (site.m, site.epilogue, site.runs_on) == (34, ["bias", "gelu"], "reference"), site
+    assert op_calls.count == 1
+    assert rel_err(out, fn(x.double(), w.double(), b.double())) < 1e-5
+
+
+@pytest.mark.parametrize("how", ["columns", "slice_elsewhere", "padded_addmm_input"])
+def test_other_paddings_are_not_seen_through(how, op_calls):
+    """Padding K, a slice that keeps other rows, or an addmm whose full-size input was padded too: the
+    GEMM is a site of the padded shape (or none of the epilogue past the slice fuses), never a wrong one."""
+    x, w, b, r = randn(10, 48), randn(48, 64), randn(64), randn(10, 64)
+
+    def fn(x, w, b, r):
+        if how == "columns":
+            return F.relu((torch.constant_pad_nd(x, [0, 8, 0, 6]) @ torch.constant_pad_nd(w, [0, 0, 0, 8]))[:10] + b)
+        if how == "slice_elsewhere":
+            return F.relu((torch.constant_pad_nd(x, [0, 0, 0, 6]) @ w)[2:12] + b)
+        padded_r = torch.constant_pad_nd(r, [0, 0, 0, 6])
+        return F.relu(torch.addmm(padded_r, torch.constant_pad_nd(x, [0, 0, 0, 6]), w)[:10] + b)
+
+    out, reports = compile_run(fn, x, w, b, r)
+    (site,) = sites(reports)
+    assert site.m == 16 and site.epilogue in ([], ["residual"]), site
+    assert rel_err(out, fn(x.double(), w.double(), b.double(), r.double())) < 1e-5
+
+
+def test_a_site_reading_earlier_sites_results_reads_the_fused_ones(op_calls, tmp_path):
+    """A decoder layer's residual stream: the down projection reads the gate site's product as x and
+    the attention output's residual sum as its residual, both replaced by earlier sites. It must read
+    their fused results; holding the original nodes kept them alive, so the attention output and gate
+    GEMMs ran a second time through cuBLAS (and the fused gate kernel was dropped as dead)."""
+    h, i = 32, 64
+    w_o, w_gate, w_up, w_down = randn(h, h), randn(i, h), randn(i, h), randn(h, i)
+
+    def fn(x, a, w_o, w_gate, w_up, w_down):
+        x = x + F.linear(a, w_o)
+        return x + F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+
+    args = (randn(4, h), randn(4, h), w_o, w_gate, w_up, w_down)
+    out, reports = compile_run(fn, *args, options={"rewrite_on_cpu": True, "debug_dir": str(tmp_path)})
+    assert [s.epilogue for s in sites(reports)] == [["residual"], ["silu", "mul"], [], ["residual"]]
+    assert op_calls.count == 4, op_calls.epilogues
+    (after,) = tmp_path.glob("*/after.py")
+    assert "aten.mm" not in after.read_text()
+    assert rel_err(out, fn(*(t.double() for t in args))) < 1e-5

@@ -52,7 +52,7 @@ def run(ctx: PassContext) -> None:
 def _describe(node: fx.Node) -> GemmSite | str:
     anchor = Anchor(_OP_NAMES[node.target])
     x, rhs = node.args[1:3] if anchor is Anchor.ADDMM else node.args[:2]
-    unpad = _row_padding(node, x) if anchor is Anchor.INT_MM else None
+    unpad = _row_padding(node, x) if anchor is not Anchor.SCALED_MM else None
     if unpad is not None:
         x = x.args[0]
     x_val, rhs_val, out_val = val(x), val(rhs), val(node)
@@ -90,11 +90,17 @@ def _leading_steps(anchor: Anchor, node: fx.Node, out_val: torch.Tensor, n: int)
 
 
 def _row_padding(node: fx.Node, x: fx.Node) -> fx.Node | None:
-    """``_int_mm`` on rows padded with zeros and sliced back (cuBLAS needs M > 16): the slice, if so.
+    """A GEMM on rows padded with zeros and sliced back: the slice, if so.
 
-    Padding rows only appends zero rows to the product, so the site multiplies the unpadded rows.
+    ``_int_mm`` callers pad M past 16 (cuBLAS needs it); on CUDA, Inductor's ``pad_mm`` pads an
+    unaligned M to a multiple of 8 or 4. Padding rows only appends zero rows to the product, so the
+    site multiplies the unpadded rows (M is the real num_tokens, and a Helion kernel copies nothing).
+    An ``addmm`` whose input was padded with the rows is left as it is.
     """
     if getattr(x, "target", None) is not aten.constant_pad_nd.default or len(node.users) != 1:
+        return None
+    addmm_input = val(node.args[0]) if node.target is aten.addmm.default else None
+    if addmm_input is not None and addmm_input.ndim == 2 and addmm_input.shape[0] != 1:
         return None
     pad = list(x.args[1])
     value = x.args[2] if len(x.args) > 2 else 0
@@ -102,9 +108,20 @@ def _row_padding(node: fx.Node, x: fx.Node) -> fx.Node | None:
     source = val(x.args[0])
     if source is None or value != 0 or len(pad) != 4 or pad[:3] != [0, 0, 0]:
         return None
-    if user.target is not aten.slice.Tensor or list(user.args[1:4]) != [0, 0, source.shape[0]]:
+    if user.target is not aten.slice.Tensor or not _keeps_first_rows(user, source.shape[0]):
         return None
-    return user if (user.args[4] if len(user.args) > 4 else 1) == 1 else None
+    return user
+
+
+def _keeps_first_rows(slice_node: fx.Node, rows: int) -> bool:
+    """``slice_node`` is ``t[:rows]`` of its input, spelled with a positive end (``[:m]``), a negative
+    one (``[:-pad]``, as pad_mm writes it) or an end clamped to the size."""
+    dim, start, end, step = (list(slice_node.args[1:]) + [0, 0, None, 1][len(slice_node.args) - 1:])[:4]
+    padded = val(slice_node.args[0])
+    if padded is None or dim != 0 or start != 0 or step != 1 or not isinstance(end, int):
+        return False
+    size = padded.shape[0]
+    return isinstance(size, int) and min(end + size if end < 0 else end, size) == rows
 
 
 def _scaled_mm_steps(node: fx.Node, out_val: torch.Tensor, n: int) -> list[Step] | str:

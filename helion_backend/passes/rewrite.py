@@ -19,6 +19,10 @@ FUSED_OP = getattr(torch.ops, OP_NAMESPACE).gemm_epilogue.default
 
 
 def run(ctx: PassContext) -> None:
+    # A site may read what an earlier site's rewrite replaced: the down projection's x is the gate site's
+    # product, its residual the attention block's residual sum. ``replace_all_uses_with`` moves the
+    # graph's users, not the nodes a matched site holds, so each site's inputs go through this map.
+    replaced: dict[fx.Node, fx.Node] = {}
     for site in ctx.sites:
         if site.rule is None:
             continue
@@ -26,7 +30,7 @@ def run(ctx: PassContext) -> None:
         if site.runs_on == "inductor":
             continue
         try:
-            _replace(ctx.graph, site, ctx.options.config_dir, site_id(ctx.report.graph, site.anchor.name))
+            _replace(ctx.graph, site, ctx.options.config_dir, site_id(ctx.report.graph, site.anchor.name), replaced)
         except Exception as e:  # leave the site to Inductor: nodes inserted before the failure are dead
             site.runs_on, site.reason = "inductor", f"rewrite failed ({type(e).__name__}: {e})"
             site.fused = None
@@ -58,10 +62,10 @@ def placement(site: GemmSite, ctx: PassContext) -> tuple[str, str | None]:
     )
 
 
-def _replace(graph: fx.Graph, site: GemmSite, config_dir: str, name: str) -> None:
+def _replace(graph: fx.Graph, site: GemmSite, config_dir: str, name: str, replaced: dict[fx.Node, fx.Node]) -> None:
     steps = site.steps
     out_val = val(site.output)
-    args = (
+    args = fx.node.map_arg((
         site.x,
         site.weight,
         site.weight_layout,
@@ -77,7 +81,7 @@ def _replace(graph: fx.Graph, site: GemmSite, config_dir: str, name: str) -> Non
         site.helion_limit,
         config_dir,
         name,
-    )
+    ), lambda node: replaced.get(node, node))
     with graph.inserting_before(site.output):
         fused = _call(graph, FUSED_OP, args)
         result = fused
@@ -85,6 +89,7 @@ def _replace(graph: fx.Graph, site: GemmSite, config_dir: str, name: str) -> Non
         if reshapes:  # a 3-D F.linear: view the [M, N] result back to the shape users expect
             result = _call(graph, aten.view.default, (fused, reshapes[-1].out.args[1]))
     site.output.replace_all_uses_with(result)
+    replaced[site.output] = result
     site.fused = fused
 
 

@@ -71,14 +71,16 @@ def _is_float(site: GemmSite) -> bool:
 
 def _is_plain(site: GemmSite) -> bool:
     """A float GEMM with nothing of its own around it: no addmm bias, no prologue, one reader."""
-    return (_is_float(site) and not site.leading_steps and site.anchor.target is aten.mm.default
-            and len(site.anchor.users) == 1)
+    return (_is_float(site) and all(s.transparent for s in site.leading_steps)
+            and site.anchor.target is aten.mm.default and len(site.anchor.users) == 1)
 
 
 def _result(site: GemmSite) -> fx.Node:
-    """What the rest of the graph reads of a plain GEMM: the mm, or its 3-D view for a 3-D linear."""
-    (user,) = site.anchor.users
-    return user if user.target in _VIEWS else site.anchor
+    """What the rest of the graph reads of a plain GEMM: the mm (or the slice that drops its padded
+    rows), or its 3-D view for a 3-D linear."""
+    node = site.leading_steps[-1].out if site.leading_steps else site.anchor
+    users = list(node.users)
+    return users[0] if len(users) == 1 and users[0].target in _VIEWS else node
 
 
 def _same_activation(a: fx.Node, b: fx.Node) -> bool:
