@@ -6,14 +6,16 @@ on a 2-D or 3-D activation, followed by a random chain of pointwise steps inside
 (activations in their library and hand-written forms, bias, residual, scale, mul, casts) and outside it
 (tanh, clamps, ``torch.where``, sub, add with alpha, row and column broadcasts), where intermediates
 may also be returned. Weights are contiguous, transposed or sliced views; activations contiguous or
-views of bigger tensors. Several programs share one compiled graph (Inductor's C++ compile is paid once
+views of bigger tensors, or the previous program's result (chained programs: a site reading what an
+earlier site's rewrite replaced, as in a decoder layer). Several programs share one compiled graph (Inductor's C++ compile is paid once
 per batch, and sites must not disturb each other); a batch is static, dynamic through
 ``torch._dynamo.mark_dynamic`` on the token dimension, or compiled with ``dynamic=True`` (weights are
 then module parameters, whose shapes stay static), and a dynamic batch runs at two token counts.
 
 Every output must have eager's dtype and shape and be as close to float64 as eager is; every GEMM the
 rules can anchor must be a site, which fuses at least the first step when that step is in the
-vocabulary; and on the CPU the fused op must run once per rewritten site on each call routed to the
+vocabulary, and whose original GEMM no longer runs once it is rewritten; and on the CPU the fused op
+must run once per rewritten site on each call routed to the
 rewritten graph, so the numerics check covers it (on CUDA a CUDA-graph replay never reaches Python,
 so there the calls are not counted). No program adds with alpha straight onto a 2-D mm: plain
 Inductor miscompiles that (see test_add_with_alpha_on_a_gemm_left_to_inductor).
@@ -38,6 +40,7 @@ from helpers import DEVICE, DEVICE_OPTIONS, TOLERANCE, rel_err, sites
 
 import helion_backend
 from helion_backend.options import BackendOptions
+from helion_backend.passes.cleanup import ALSO_RUNS_NOTE
 from helion_backend.report import GraphReport, SiteReport
 from helion_backend.rules import builtin_rule_files, load_rules
 from helion_backend.vocabulary import ACTIVATIONS, DEFAULT_KERNEL_FAMILY
@@ -45,6 +48,7 @@ from helion_backend.vocabulary import ACTIVATIONS, DEFAULT_KERNEL_FAMILY
 NUM_PROGRAMS = int(os.environ.get("HELION_INDUCTOR_FUZZ_PROGRAMS", "300"))
 BASE_SEED = int(os.environ.get("HELION_INDUCTOR_FUZZ_SEED", "0"))
 BATCH_SIZE = 5  # programs per compiled graph: fewer compiles, yet a failure report stays readable
+CHAIN_PROBABILITY = 0.3  # that a program's GEMM reads the previous program's result
 MAX_HELION_SIZE = BackendOptions().max_helion_size
 DTYPES = tuple(TOLERANCE)
 
@@ -95,10 +99,12 @@ class Program:
     n: int
     operand_dtype: torch.dtype  # of the epilogue's bias, residual and mul operands
     plan: list[str]  # step names, "cast:<dtype>" for casts, and SHARE entries
+    chained: bool = False  # x is the previous program's result (in this program's dtype)
     weights: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def describe(self) -> str:
-        return (f"seed={self.seed} {self.gemm}[{self.weight_view}] x[{self.x_view}] lead={self.lead} "
+        x_view = "previous result" if self.chained else self.x_view
+        return (f"seed={self.seed} {self.gemm}[{self.weight_view}] x[{x_view}] lead={self.lead} "
                 f"k={self.k} n={self.n} {self.dtype} operands={self.operand_dtype} plan={self.plan}")
 
     @property
@@ -137,9 +143,13 @@ class Program:
             "mask": torch.rand(*shape, self.n, generator=gen, device=DEVICE) < 0.5,
         }
 
-    def forward(self, t: dict[str, torch.Tensor], reference: bool) -> list[torch.Tensor]:
-        """The program; ``reference`` keeps float64 throughout (casts become no-ops)."""
+    def forward(self, t: dict[str, torch.Tensor], reference: bool, previous: torch.Tensor | None = None
+                ) -> list[torch.Tensor]:
+        """The program; ``reference`` keeps float64 throughout (casts become no-ops). A chained program
+        reads the previous program's result ``previous`` as x."""
         x, w, b = t["x"], t["w"], t["b"]
+        if self.chained:
+            x = previous if reference else previous.to(self.dtype)
         gemm = self.gemm
         if gemm == "linear":
             h = F.linear(x, w)
@@ -206,12 +216,17 @@ _POINTWISE: dict[str, Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Te
 assert set(_POINTWISE) | {"cast"} == set(STEPS)
 
 
-def random_program(seed: int, n: int) -> Program:
-    """The program of ``seed``, with output width ``n`` (the batch keeps widths distinct)."""
+def random_program(seed: int, n: int, after: Program | None = None) -> Program:
+    """The program of ``seed``, with output width ``n`` (the batch keeps widths distinct); chained to
+    ``after`` if given: its GEMM then reads that program's result, as a decoder layer's GEMMs read the
+    results of the sites before them."""
     rng = random.Random(seed)
     dtype = rng.choice(DTYPES)
     gemm = rng.choice(sorted(GEMMS))
     lead = () if gemm in TWO_D_ONLY or rng.random() < 0.4 else (rng.choice([2, 3]),)
+    if after is not None and after.lead != lead:
+        lead = after.lead
+        gemm = rng.choice(sorted(set(GEMMS) - TWO_D_ONLY)) if lead else gemm
     plan: list[str] = []
     for _ in range(rng.choice([0, 1, 2, 2, 3, 3, 4, 5])):
         roll = rng.random()
@@ -227,8 +242,8 @@ def random_program(seed: int, n: int) -> Program:
     program = Program(
         seed=seed, dtype=dtype, gemm=gemm, weight_view=rng.choice(["contiguous", "transposed", "sliced"]),
         x_view=rng.choice(["contiguous", "contiguous", "sliced", "transposed", "strided"]), lead=lead,
-        k=rng.choice([8, 16, 24, 48, 64]), n=n, operand_dtype=rng.choice([dtype, dtype, torch.float32]),
-        plan=plan,
+        k=after.n if after is not None else rng.choice([8, 16, 24, 48, 64]), n=n,
+        operand_dtype=rng.choice([dtype, dtype, torch.float32]), plan=plan, chained=after is not None,
     )
     program.weights = _weights(program, rng.random() < 0.5, torch.Generator(device=DEVICE).manual_seed(seed))
     return program
@@ -285,7 +300,10 @@ def random_batch(index: int) -> Batch:
     count = min(BATCH_SIZE, NUM_PROGRAMS - index * BATCH_SIZE)
     # Distinct N per program, so each site in the report names its program.
     widths = rng.sample([8, 16, 24, 32, 40, 48, 56, 64], count)
-    programs = [random_program(first + i, n) for i, n in enumerate(widths)]
+    programs: list[Program] = []
+    for i, n in enumerate(widths):
+        chain = bool(programs) and rng.random() < CHAIN_PROBABILITY
+        programs.append(random_program(first + i, n, after=programs[-1] if chain else None))
     mode = rng.choice(["static", "static", "mark_dynamic", "dynamic"])
     if mode == "static":
         tokens: tuple[int, ...] = (rng.choice([1, 2, 3, 5, 8, 17, 37]),)
@@ -309,10 +327,13 @@ class _BatchModule(torch.nn.Module):
 
     def forward(self, *token_inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         outputs: list[torch.Tensor] = []
+        previous = None
         for i, p in enumerate(self.programs):
             t = dict(zip(TOKEN_INPUTS, token_inputs[i * len(TOKEN_INPUTS):(i + 1) * len(TOKEN_INPUTS)]))
             t.update(zip(STATIC_INPUTS, list(self.weights)[i * len(STATIC_INPUTS):(i + 1) * len(STATIC_INPUTS)]))
-            outputs.extend(p.forward(t, reference=False))
+            results = p.forward(t, reference=False, previous=previous)
+            outputs.extend(results)
+            previous = results[0]
         return tuple(outputs)
 
 
@@ -322,8 +343,12 @@ def _batch_function(programs: list[Program]) -> Callable[..., tuple[torch.Tensor
 
     def run(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         outputs: list[torch.Tensor] = []
+        previous = None
         for i, p in enumerate(programs):
-            outputs.extend(p.forward(dict(zip(names, tensors[i * len(names):(i + 1) * len(names)])), reference=False))
+            t = dict(zip(names, tensors[i * len(names):(i + 1) * len(names)]))
+            results = p.forward(t, reference=False, previous=previous)
+            outputs.extend(results)
+            previous = results[0]
         return tuple(outputs)
 
     return run
@@ -374,15 +399,15 @@ def _first_step(p: Program) -> str | None:
     return step
 
 
-def _check_sites(batch: Batch, reports: list[GraphReport], inputs: list[dict[str, torch.Tensor]],
-                 tokens: int, context: str) -> None:
-    """Each GEMM a rule can anchor is a site that fuses the first step where a shipped rule allows it."""
+def _check_sites(batch: Batch, reports: list[GraphReport], xs: list[torch.Tensor], tokens: int, context: str) -> None:
+    """Each GEMM a rule can anchor is a site that fuses the first step where a shipped rule allows it,
+    and a rewritten site's GEMM runs only in its fused kernel. ``xs``: each program's activation."""
     found = sites(reports)
     by_n = {s.n: s for s in found}
     assert len(by_n) == len(found) and set(by_n) <= {p.n for p in batch.programs}, context
     static = batch.mode == "static"
     static_m = {p.n: tokens * math.prod(p.lead) if static else None for p in batch.programs}
-    expected = [_expected_gemm(p, t["x"], static_m[p.n]) for p, t in zip(batch.programs, inputs)]
+    expected = [_expected_gemm(p, x, static_m[p.n]) for p, x in zip(batch.programs, xs)]
     assert sum(len(r.unfused_gemms) for r in reports) == expected.count("unfused"), context
     for p, what in zip(batch.programs, expected):
         site = by_n.get(p.n)
@@ -391,6 +416,7 @@ def _check_sites(batch: Batch, reports: list[GraphReport], inputs: list[dict[str
             continue
         assert site is not None, f"no site for {p.describe()}\n{context}"
         assert site.k == p.k and site.dtype == str(p.dtype).removeprefix("torch."), context
+        assert not any(note.startswith(ALSO_RUNS_NOTE) for note in site.notes), context
         assert site.m == ("dynamic" if static_m[p.n] is None else static_m[p.n]), context
         leading = _leading_steps(p)
         assert site.epilogue[: len(leading)] == leading, context
@@ -399,6 +425,19 @@ def _check_sites(batch: Batch, reports: list[GraphReport], inputs: list[dict[str
             assert len(site.epilogue) > len(leading), f"first step {first} not fused: {p.describe()}\n{context}"
         if DEVICE.type == "cpu":
             assert site.runs_on == "reference", context
+
+
+def _run_eagerly(programs: list[Program], inputs: list[dict[str, torch.Tensor]]
+                 ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """Each program's eager outputs and float64 outputs; a chained program reads its predecessor's."""
+    eager: list[list[torch.Tensor]] = []
+    reference: list[list[torch.Tensor]] = []
+    for p, t in zip(programs, inputs):
+        t = {**t, **p.weights}
+        eager.append(p.forward(t, reference=False, previous=eager[-1][0] if eager else None))
+        t64 = {k: v.double() if v.is_floating_point() else v for k, v in t.items()}
+        reference.append(p.forward(t64, reference=True, previous=reference[-1][0] if reference else None))
+    return eager, reference
 
 
 @pytest.mark.parametrize("index", range(math.ceil(NUM_PROGRAMS / BATCH_SIZE)))
@@ -430,14 +469,12 @@ def test_random_programs_match_float64_like_eager(index: int, op_calls) -> None:
         compiled_now = helion_backend.get_reports()[reports_before:]
         context = batch.describe() + "\n" + "\n".join(r.summary() for r in compiled_now)
         assert all(r.error is None for r in compiled_now), context
+        eager_results, reference_results = _run_eagerly(programs, inputs)
         if compiled_now:  # this call compiled (first call, or a recompile): check what it found
             found = sites(compiled_now)
-            _check_sites(batch, compiled_now, inputs, tokens, context)
-        for p, t in zip(programs, inputs):
-            t = {**t, **p.weights}
-            eager = p.forward(t, reference=False)
-            reference = p.forward({k: v.double() if v.is_floating_point() else v for k, v in t.items()},
-                                  reference=True)
+            xs = [eager_results[i - 1][0] if p.chained else t["x"] for i, (p, t) in enumerate(zip(programs, inputs))]
+            _check_sites(batch, compiled_now, xs, tokens, context)
+        for p, eager, reference in zip(programs, eager_results, reference_results):
             got, outputs = outputs[: p.num_outputs], outputs[p.num_outputs:]
             for g, e, r in zip(got, eager, reference, strict=True):
                 assert (g.dtype, g.shape) == (e.dtype, e.shape), f"{g.dtype} {g.shape} != eager's\n{context}"
