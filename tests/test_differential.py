@@ -7,17 +7,17 @@ on a 2-D or 3-D activation, followed by a random chain of pointwise steps inside
 (tanh, clamps, ``torch.where``, sub, add with alpha, row and column broadcasts), where intermediates
 may also be returned. Weights are contiguous, transposed or sliced views; activations contiguous or
 views of bigger tensors, or the previous program's result (chained programs: a site reading what an
-earlier site's rewrite replaced, as in a decoder layer). Several programs share one compiled graph (Inductor's C++ compile is paid once
-per batch, and sites must not disturb each other); a batch is static, dynamic through
-``torch._dynamo.mark_dynamic`` on the token dimension, or compiled with ``dynamic=True`` (weights are
-then module parameters, whose shapes stay static), and a dynamic batch runs at two token counts.
+earlier site's rewrite replaced, as in a decoder layer). Several programs share one compiled graph
+(Inductor's C++ compile is paid once per batch, and sites must not disturb each other); a batch is
+static, dynamic through ``torch._dynamo.mark_dynamic`` on the token dimension, or compiled with
+``dynamic=True`` (weights are then module parameters, whose shapes stay static), and a dynamic batch
+runs at two token counts.
 
 Every output must have eager's dtype and shape and be as close to float64 as eager is; every GEMM the
 rules can anchor must be a site, which fuses at least the first step when that step is in the
 vocabulary, and whose original GEMM no longer runs once it is rewritten; and on the CPU the fused op
-must run once per rewritten site on each call routed to the
-rewritten graph, so the numerics check covers it (on CUDA a CUDA-graph replay never reaches Python,
-so there the calls are not counted). No program adds with alpha straight onto a 2-D mm: plain
+must run once per rewritten site on each call routed to the rewritten graph, so the numerics check
+covers it (on CUDA a CUDA-graph replay never reaches Python, so there the calls are not counted). No program adds with alpha straight onto a 2-D mm: plain
 Inductor miscompiles that (see test_add_with_alpha_on_a_gemm_left_to_inductor).
 
 On CUDA the backend runs with its default options (Helion kernels), elsewhere with ``rewrite_on_cpu``.
