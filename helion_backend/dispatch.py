@@ -14,7 +14,7 @@ import torch
 from . import report
 from .epilogue import apply_epilogue, operand_kinds, parse_epilogue, parse_prologue
 from .quant_program import QuantProgram, parse_program, quantize_rows
-from .vocabulary import DEFAULT_KERNEL_FAMILY, QUANT_DTYPES, Operand
+from .vocabulary import DEFAULT_KERNEL_FAMILY, INT4_HIGH_SHIFT, INT4_LOW_MASK, INT4_ZERO_POINT, QUANT_DTYPES, Operand
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ def run_gemm_epilogue(
     x: torch.Tensor,
     weight: torch.Tensor,
     weight_layout: str,
+    weight_scale: torch.Tensor | None,
     up_weight: torch.Tensor | None,
     up_layout: str,
     prologue: str,
@@ -77,9 +78,14 @@ def run_gemm_epilogue(
     config_dir: str = "",
     site: str = "",
 ) -> torch.Tensor:
-    parse_prologue(prologue)  # validates the step names; what they do is in the program and the dtypes
+    # The step names are validated here; what they do is in the program, the dtypes and ``weight_scale``.
+    int4 = "dequant_int4" in parse_prologue(prologue)
     program = parse_program(quant_program) if quant_program else None
     steps = parse_epilogue(epilogue)
+    if int4 != (weight_scale is not None) or (int4 and weight_layout != "nk"):
+        raise ValueError("dequant_int4 takes packed [N, K/2] bytes (weight_layout 'nk') and their group scales "
+                         f"(weight_scale); got prologue {prologue!r}, weight_layout {weight_layout!r} and "
+                         f"{'a' if weight_scale is not None else 'no'} weight_scale")
     w_kn = weight_kn(weight, weight_layout)
     up_kn = weight_kn(up_weight, up_layout) if up_weight is not None else None
     flat = flatten_operands(operands, steps, w_kn.shape[1])
@@ -88,7 +94,8 @@ def run_gemm_epilogue(
         from .kernels import run_kernel
 
         try:
-            return run_kernel(kernel, x, w_kn, steps, flat, scalars, out_dtype, config_dir or None, program, up_kn)
+            return run_kernel(kernel, x, w_kn, steps, flat, scalars, out_dtype, config_dir or None, program, up_kn,
+                              weight_scale)
         except Exception as e:  # a kernel that cannot compile or launch must not fail the model
             failure = _describe_failure(e)
             # The failed call's frames hold the output it had allocated, and a log record that keeps the
@@ -96,6 +103,8 @@ def run_gemm_epilogue(
             # that output sits in the graph's memory pool, untracked. Drop their locals.
             _clear_frames(e)
         _fall_back(site, m, failure)
+    if int4:
+        w_kn = dequantize_int4(weight, weight_scale, x.dtype).t()
     return reference(x, w_kn, steps, flat, scalars, out_dtype, program, up_kn)
 
 
@@ -151,6 +160,17 @@ def gemm_product(x: torch.Tensor, w_kn: torch.Tensor) -> torch.Tensor:
     if x.dtype in QUANT_DTYPES.values():
         return torch.mm(x.to(torch.float32), w_kn.to(torch.float32))
     return torch.mm(x, w_kn.to(x.dtype)).to(torch.float32)
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The [N, K] ``dtype`` weight that ``dequant_int4`` stands for, computed by the graph's own ops in its
+    order (so rounding matches): nibbles low first, converted, minus the zero point, times the scale of
+    each group of K / ``scales.shape[1]`` columns."""
+    n, k = packed.shape[0], 2 * packed.shape[1]
+    groups = scales.shape[1]
+    q = torch.stack([packed & INT4_LOW_MASK, packed >> INT4_HIGH_SHIFT], dim=-1).reshape(n, k)
+    centered = (q.to(dtype) - INT4_ZERO_POINT).reshape(n, groups, k // groups)
+    return (centered * scales.reshape(n, groups, 1)).reshape(n, k)
 
 
 def weight_kn(weight: torch.Tensor, weight_layout: str) -> torch.Tensor:

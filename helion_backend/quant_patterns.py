@@ -1,5 +1,8 @@
 """Recognizers for quantization prologues in the forms the post-grad graph really has.
 
+A packed int4 weight is found as the exact chain that unpacks, centers and scales it
+(:func:`int4_weight_dequant`); the kernel reads the bytes and the group scales instead.
+
 Dynamic per-token activation quantization is found as the region of pointwise ops and one amax over K
 that computes the GEMM's quantized input and its per-token scale from one float tensor. The region is
 recorded op by op as a :class:`~helion_backend.quant_program.QuantProgram`, which the kernel replays
@@ -19,7 +22,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .patterns import same_shape, val
 from .quant_program import CONVERT, REDUCE, Instruction, QuantProgram, Value, check_program, ref
-from .vocabulary import QUANT_DTYPES, SUPPORTED_DTYPES, dtype_name
+from .vocabulary import INT4_HIGH_SHIFT, INT4_LOW_MASK, INT4_ZERO_POINT, QUANT_DTYPES, SUPPORTED_DTYPES, dtype_name
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -230,3 +233,137 @@ def _reduces_last_dim(node: fx.Node, dim=None, keepdim=False, *rest) -> bool:
 
 
 _INVALID = object()
+
+
+# --------------------------------------------------------------------------------------------------
+# Packed int4 weights, dequantized in the forward (helion_backend.quantize.Int4WeightOnlyLinear)
+
+_RESHAPES = frozenset({aten.reshape.default, aten.view.default, aten._unsafe_view.default})
+_RIGHT_SHIFTS = frozenset({aten.__rshift__.Scalar, aten.bitwise_right_shift.Tensor_Scalar})
+_BITWISE = frozenset({aten.bitwise_and.Scalar, *_RIGHT_SHIFTS})
+_LAST_OF_3 = (-1, 2)  # the last dimension of a 3-D tensor, as the graph may spell it
+
+
+@dataclass(frozen=True)
+class Int4WeightDequant:
+    """An [N, K] weight computed from packed int4 bytes and group scales: the tensors, and the chain."""
+
+    packed: fx.Node  # uint8 [N, K/2]
+    scales: fx.Node  # [N, K/G], in the weight's dtype
+    group_size: int
+    nodes: tuple[fx.Node, ...]  # the dequantization, the dequantized weight last
+
+
+def int4_weight_dequant(weight: fx.Node, dtype: torch.dtype) -> Int4WeightDequant | str | None:
+    """The int4 dequantization that computes the [N, K] ``weight`` in ``dtype``; a string saying which
+    part differs when ``weight`` is unpacked from uint8 bytes in some other way; None when it is not.
+
+    Only the documented format is taken: ``q = stack([p & 15, p >> 4], -1).reshape(N, K)`` (low nibble
+    first), ``((q.to(dtype) - 8).reshape(N, K/G, G) * s.reshape(N, K/G, 1)).reshape(N, K)`` with an even
+    G. Anything else (another nibble order or zero point, a subtraction before the conversion, where
+    uint8 would wrap around, scales broadcast another way) would compute another weight in the kernel.
+    """
+    if not _unpacks_bytes(weight):
+        return None
+    try:
+        return _int4_chain(weight, dtype)
+    except _NotInt4 as e:
+        return str(e)
+
+
+class _NotInt4(Exception):
+    pass
+
+
+def _expect(condition: bool, what: str) -> None:
+    if not condition:
+        raise _NotInt4(what)
+
+
+def _unpacks_bytes(weight: fx.Node) -> bool:
+    """Whether ``weight`` is computed (within a few ops) by a bitwise op on a uint8 tensor."""
+    seen, todo = set(), [weight]
+    while todo and len(seen) <= _MAX_REGION_NODES:
+        node = todo.pop()
+        if node in seen or node.op != "call_function":
+            continue
+        seen.add(node)
+        source = val(node.args[0]) if node.args and isinstance(node.args[0], fx.Node) else None
+        if node.target in _BITWISE and source is not None and source.dtype == torch.uint8:
+            return True
+        todo.extend(node.all_input_nodes)
+    return False
+
+
+def _reshape_source(node: fx.Node, shape: tuple, what: str) -> fx.Node:
+    """The input of ``node``, a reshape to ``shape`` (a row-major view, so the element order is kept)."""
+    _expect(node.op == "call_function" and node.target in _RESHAPES and val(node) is not None,
+            f"{what} is not a reshape")
+    _expect(same_shape(val(node).shape, shape), f"{what} has shape {tuple(val(node).shape)}, not {shape}")
+    return node.args[0]
+
+
+def _int4_chain(weight: fx.Node, dtype: torch.dtype) -> Int4WeightDequant:
+    w = val(weight)
+    _expect(w is not None and w.dim() == 2 and w.dtype == dtype, "the weight is not a 2-D tensor in the GEMM's dtype")
+    n, k = w.shape
+    mul = _reshape_source(weight, (n, k), "the dequantized weight")
+    _expect(mul.target is aten.mul.Tensor and not mul.kwargs and len(mul.all_input_nodes) == 2,
+            "the weight is not a product of grouped values and scales")
+    grouped_view, scale_view = mul.args
+    if val(grouped_view) is not None and val(grouped_view).shape[-1] == 1:  # s * q: the same product
+        grouped_view, scale_view = scale_view, grouped_view
+    grouped_val = val(grouped_view)
+    _expect(grouped_val is not None and grouped_val.dim() == 3, "the grouped values are not 3-D")
+    groups, group_size = grouped_val.shape[1:]
+    _expect(isinstance(groups, int) and isinstance(group_size, int) and groups * group_size == k,
+            "the groups do not split K")
+    _expect(group_size % 2 == 0, f"group size {group_size} is odd (a byte's two columns would span two groups)")
+    _expect(val(mul).dtype == dtype, "the product is not in the GEMM's dtype")
+    centered = _reshape_source(grouped_view, (n, groups, group_size), "the grouped values")
+    scales = _reshape_source(scale_view, (n, groups, 1), "the scales")
+    scales_val = val(scales)
+    _expect(scales_val is not None and scales_val.dtype == dtype and same_shape(scales_val.shape, (n, groups)),
+            f"the scales are not an [N, K/G] = [{n}, {groups}] tensor in {dtype_name(dtype)}")
+    _expect(centered.target is aten.sub.Tensor and centered.kwargs.get("alpha", 1) == 1
+            and len(centered.args) == 2 and _is_number(centered.args[1], INT4_ZERO_POINT),
+            f"the values are not centered by subtracting the zero point {INT4_ZERO_POINT}")
+    convert = centered.args[0]
+    _expect(convert.target is prims.convert_element_type.default and convert.args[1] == dtype,
+            "the zero point is not subtracted after converting the nibbles to the GEMM's dtype")
+    stacked = _reshape_source(convert.args[0], (n, k), "the unpacked nibbles")
+    packed, nibble_nodes = _nibbles(stacked, n, k)
+    nodes = (*nibble_nodes, stacked, convert.args[0], convert, centered, grouped_view, scale_view, mul, weight)
+    return Int4WeightDequant(packed, scales, group_size, nodes)
+
+
+def _nibbles(stacked: fx.Node, n: int, k: int) -> tuple[fx.Node, tuple[fx.Node, ...]]:
+    """``cat([unsqueeze(p & 15), unsqueeze(p >> 4)], -1)`` of one uint8 [N, K/2] p: p and the nodes."""
+    _expect(stacked.target is aten.cat.default and len(stacked.args[0]) == 2
+            and all(isinstance(part, fx.Node) for part in stacked.args[0])
+            and (stacked.args[1] if len(stacked.args) > 1 else 0) in _LAST_OF_3,
+            "the nibbles are not stacked along a new last dimension")
+    low, high = (_unsqueezed(part) for part in stacked.args[0])
+    _expect(low.target is aten.bitwise_and.Scalar and low.args[1] == INT4_LOW_MASK,
+            f"the first nibble is not the low one (p & {INT4_LOW_MASK})")
+    packed = low.args[0]
+    high_nodes = [high]
+    if high.target is aten.bitwise_and.Scalar and high.args[1] == INT4_LOW_MASK:  # (p >> 4) & 15: the same
+        high = high.args[0]
+        high_nodes.append(high)
+    _expect(high.target in _RIGHT_SHIFTS and high.args[1] == INT4_HIGH_SHIFT and high.args[0] is packed,
+            f"the second nibble is not the high one of the same bytes (p >> {INT4_HIGH_SHIFT})")
+    p = val(packed)
+    _expect(p is not None and p.dtype == torch.uint8 and same_shape(p.shape, (n, k // 2)),
+            f"the packed bytes are not a uint8 [N, K/2] = [{n}, {k // 2}] tensor")
+    return packed, (low, *high_nodes, *stacked.args[0])
+
+
+def _unsqueezed(node: fx.Node) -> fx.Node:
+    _expect(node.op == "call_function" and node.target is aten.unsqueeze.default and node.args[1] in _LAST_OF_3,
+            "a nibble is not unsqueezed along the last dimension")
+    return node.args[0]
+
+
+def _is_number(value: object, expected: float) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value == expected

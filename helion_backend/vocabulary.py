@@ -70,12 +70,19 @@ ACTIVATION_QUANT_STEPS: dict[torch.dtype, str] = {
     torch.float8_e4m3fn: "quant_fp8_per_token",
     torch.int8: "quant_int8_per_token",
 }
+# The packed int4 weight format that ``dequant_int4`` reads (helion_backend.quantize.Int4WeightOnlyLinear):
+# uint8 [N, K/2], byte j of a row holding column 2j in its low nibble and 2j + 1 in its high nibble,
+# values 0..15 standing for q - INT4_ZERO_POINT, and a [N, K/G] scale per group of G columns.
+INT4_ZERO_POINT = 8
+INT4_LOW_MASK, INT4_HIGH_SHIFT = 15, 4  # p & 15 is the low nibble, p >> 4 the high one
 PROLOGUE_STEPS: dict[str, StepKind] = {
     step.name: step
     for step in (
         *(StepKind(name, Operand.NONE, f"quantize the activation to {dtype_name(dtype)} with a dynamic "
                    "per-token scale (amax over K)") for dtype, name in ACTIVATION_QUANT_STEPS.items()),
         StepKind("dequant_int8", Operand.NONE, "convert an int8 weight to the activation's dtype"),
+        StepKind("dequant_int4", Operand.NONE, "unpack an int4 weight stored two per byte (low nibble first), "
+                 f"subtract the zero point {INT4_ZERO_POINT} and multiply by its scale per group along K"),
     )
 }
 
@@ -120,6 +127,8 @@ class KernelFamily:
     needs_steps: tuple[str, ...] = ()  # epilogue steps every site of the family has (the gated MLP's up_mul)
 
 
+# The packed int4 weight-only family (its configs count the K block in bytes, see kernels/configs.py).
+INT4_FAMILY = "gemm_int4"
 # Kernel families a rule may name; the kernels package registers an implementation for each.
 KERNEL_FAMILIES: dict[str, KernelFamily] = {
     family.name: family
@@ -128,6 +137,7 @@ KERNEL_FAMILIES: dict[str, KernelFamily] = {
         KernelFamily("gemm_fp8", ("float8_e4m3fn",), (ACTIVATION_QUANT_STEPS[torch.float8_e4m3fn],)),
         KernelFamily("gemm_int8", ("int8",), (ACTIVATION_QUANT_STEPS[torch.int8],)),
         KernelFamily("gemm_weight_only", tuple(SUPPORTED_DTYPES), ("dequant_int8",), needs_prologue=True),
+        KernelFamily(INT4_FAMILY, tuple(SUPPORTED_DTYPES), ("dequant_int4",), needs_prologue=True),
         KernelFamily("gemm_glu", tuple(SUPPORTED_DTYPES), needs_steps=("up_mul",)),
     )
 }

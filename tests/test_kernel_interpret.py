@@ -110,7 +110,7 @@ def run(m, k, n, dtype, layout, steps, split_k, out_dtype=None, scalars=None, co
     return out, float64_reference(x, w_kn, steps, operands, scalars)
 
 
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 ALL_INTERPRETABLE = ("bias", "relu", "scale", "residual", "mul", "silu", "scale", "sigmoid")
 
 
@@ -278,3 +278,37 @@ def test_a_step_of_another_kernel_family_is_refused():
     x, w_kn = torch.randn(4, 64), torch.randn(64, 32)
     with pytest.raises(ValueError, match="'up_mul' runs only in the gemm_glu kernel, not in gemm"):
         gemm_epilogue_helion(x, w_kn, ("silu", "up_mul"), [], [], torch.float32)
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_int4_weight_only_kernel_dequantizes_as_the_graph(dtype, split_k):
+    """Packed bytes and group scales read in the K loop; the reference dequantizes with the graph's ops.
+    K = 600 in groups of 40 spans several partial K blocks (of 32 bytes), each crossing group borders.
+    float16, not bfloat16: the interpreter's bfloat16 arithmetic works on raw bit patterns (the
+    dequantization is elementwise math in the activation's dtype; test_gpu_quant.py runs bfloat16)."""
+    import torch.nn as nn
+
+    from helion_backend.dispatch import dequantize_int4, reference
+    from helion_backend.kernels.quant_gemm import int4_gemm_helion
+    from helion_backend.quantize import Int4WeightOnlyLinear
+
+    torch.manual_seed(split_k)
+    layer = Int4WeightOnlyLinear.from_linear(nn.Linear(600, 40).to(dtype), group_size=40)
+    x = torch.randn(5, 600, dtype=dtype)
+    steps, operands = ("bias", "silu"), [layer.bias]
+    config = helion.Config(block_sizes=BLOCKS, num_warps=4, num_stages=1, split_k=split_k)
+    out = int4_gemm_helion(x, layer.packed.t(), layer.scales, steps, operands, [], dtype, config=config)
+    w_kn = dequantize_int4(layer.packed, layer.scales, dtype).t()
+    assert rel_err(out, reference(x, w_kn, steps, operands, [], torch.float64)) <= TOLERANCE[dtype]
+    assert rel_err(out, torch.nn.functional.silu(layer(x).double())) <= TOLERANCE[dtype]
+
+
+def test_int4_kernel_refuses_scales_that_do_not_fit():
+    from helion_backend.kernels.quant_gemm import int4_gemm_helion
+
+    x, packed = torch.randn(2, 64), torch.zeros(32, 8, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="even group size"):
+        int4_gemm_helion(x, packed, torch.ones(8, 3), (), [], [], torch.float32)
+    with pytest.raises(ValueError, match="scales in x's dtype"):
+        int4_gemm_helion(x, packed, torch.ones(8, 2, dtype=torch.bfloat16), (), [], [], torch.float32)

@@ -17,6 +17,10 @@ rows and their scales), and the GEMM then multiplies the quantized rows as they 
 ``lowp_gemm_kernel`` multiplies inputs as they come: fp8 x fp8 or int8 x int8 (already quantized), or a
 float activation with an int8 weight converted block by block (weight-only).
 
+``int4_gemm_kernel`` reads a packed int4 weight (two columns of K per byte) and its group scales, and
+dequantizes each block in registers exactly as the graph did (nibble, minus the zero point, times the
+scale, rounded to the activation's dtype) before the tensor cores multiply it in that dtype.
+
 Split-K works as in :mod:`.gemm`: each split stores its fp32 partial sums (already rescaled by the
 per-token scale, which distributes over the sum) and :func:`.gemm.epilogue_kernel` finishes.
 """
@@ -33,7 +37,7 @@ from helion.autotuner import PowerOfTwoFragment
 
 from .. import quant_program as program_module
 from ..quant_program import QuantProgram
-from ..vocabulary import QUANT_DTYPES, SUPPORTED_DTYPES
+from ..vocabulary import INT4_FAMILY, INT4_HIGH_SHIFT, INT4_LOW_MASK, INT4_ZERO_POINT, QUANT_DTYPES, SUPPORTED_DTYPES
 from .configs import EPILOGUE_CONFIG, PREQUANTIZE, config_for
 from .gemm import (
     Layout,
@@ -128,6 +132,44 @@ def lowp_gemm_kernel(
         for tile_k in hl.tile(tile_split.begin, tile_split.end):
             acc = hl.dot(x[tile_m, tile_k], w[tile_k, tile_n].to(x.dtype), acc=acc)
         result = acc.to(torch.float32)
+        if split_k == 1:
+            result = epilogue(result, operands, scalars, tile_m, tile_n)
+        out[tile_split.id, tile_m, tile_n] = result.to(out.dtype)
+
+
+@helion.kernel(static_shapes=True, autotune_effort="none", dot_precision="ieee")
+def int4_gemm_kernel(
+    x_even: torch.Tensor,
+    x_odd: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    out: torch.Tensor,
+    operands: list[torch.Tensor],
+    scalars: list[float],
+    epilogue: Callable[..., torch.Tensor],
+) -> None:
+    """``out[0] = epilogue(x @ dequant(packed, scales))`` with ``split_k == 1``; else ``out[i]`` = split i's part.
+
+    ``packed`` is [K/2, N] bytes: row j holds the weights of x's columns 2j (low nibble, met by
+    ``x_even``) and 2j + 1 (high nibble, ``x_odd``), so the K loop runs over bytes (the K block counts
+    bytes) and each step makes two dots of half the depth, with no interleaving in registers. ``scales``
+    is [K/G, N]; each byte row reads the scale of its group, which holds both its columns (G is even).
+    """
+    m, k_bytes = x_even.size()
+    n = packed.size(1)
+    group_bytes = k_bytes // scales.size(0)
+    split_k = hl.register_tunable("split_k", PowerOfTwoFragment(1, 64, 1))
+    k_per_split = helion.cdiv(helion.cdiv(k_bytes, split_k), 256) * 256
+    for tile_m, tile_n, tile_split in hl.tile([m, n, k_bytes], block_size=[None, None, k_per_split]):
+        acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
+        for tile_k in hl.tile(tile_split.begin, tile_split.end):
+            pair = packed[tile_k, tile_n]
+            scale = scales[tile_k.index // group_bytes, tile_n]
+            low = ((pair & INT4_LOW_MASK).to(x_even.dtype) - INT4_ZERO_POINT) * scale
+            high = ((pair >> INT4_HIGH_SHIFT).to(x_even.dtype) - INT4_ZERO_POINT) * scale
+            acc = hl.dot(x_even[tile_m, tile_k], low, acc=acc)
+            acc = hl.dot(x_odd[tile_m, tile_k], high, acc=acc)
+        result = acc
         if split_k == 1:
             result = epilogue(result, operands, scalars, tile_m, tile_n)
         out[tile_split.id, tile_m, tile_n] = result.to(out.dtype)
@@ -237,3 +279,56 @@ def _check_inputs(x: torch.Tensor, w_kn: torch.Tensor, program: QuantProgram | N
     weight_only = program is None and x.dtype in SUPPORTED_DTYPES.values() and w_kn.dtype == torch.int8
     if quantized != w_kn.dtype and not weight_only:
         raise ValueError(f"cannot multiply a {quantized} activation by a {w_kn.dtype} weight")
+
+
+def int4_gemm_helion(
+    x: torch.Tensor,
+    packed_kn: torch.Tensor,
+    group_scales: torch.Tensor,
+    steps: tuple[str, ...],
+    operands: Sequence[torch.Tensor],
+    scalars: Sequence[float],
+    out_dtype: torch.dtype,
+    config: helion.Config | None = None,
+    config_dir: str | None = None,
+) -> torch.Tensor:
+    """``epilogue(x @ w)`` for the int4 weight ``w`` [K, N] that ``packed_kn`` (the [K/2, N] view of the packed
+    [N, K/2] bytes) and ``group_scales`` ([N, K/G], in x's dtype) stand for, as a contiguous [M, N]
+    ``out_dtype`` tensor. The config's K block counts bytes (two columns of K)."""
+    steps, operands, scalars = tuple(steps), list(operands), [float(s) for s in scalars]
+    _check_int4_inputs(x, packed_kn, group_scales)
+    sig = Signature(
+        Layout.of(x), Layout.of(packed_kn), tuple(map(Layout.of, operands)), len(scalars), steps, out_dtype
+    )
+    check_operands(sig)
+    check_family_steps(steps, INT4_FAMILY)
+    (m, k), n = x.shape, packed_kn.shape[1]
+    if config is None:
+        config = config_for(m, k, n, x.dtype, x.device, config_dir, INT4_FAMILY)
+    epilogue = tile_epilogue(steps)
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    split_k = config.get("split_k", 1)
+    target = out.unsqueeze(0) if split_k == 1 else torch.empty(
+        (num_k_splits(k // 2, split_k), m, n), dtype=torch.float32, device=x.device
+    )
+    scales_kn = group_scales.t()
+    args = (x[:, 0::2], x[:, 1::2], packed_kn, scales_kn, target, operands, scalars, epilogue)
+    compiled_kernel(int4_gemm_kernel, args, (sig, Layout.of(scales_kn)), config, target.shape[0])(*args)
+    if split_k == 1:
+        return out
+    finish_args = (target, out, operands, scalars, epilogue)
+    compiled_kernel(epilogue_kernel, finish_args, sig, EPILOGUE_CONFIG, target.shape[0])(*finish_args)
+    return out
+
+
+def _check_int4_inputs(x: torch.Tensor, packed_kn: torch.Tensor, group_scales: torch.Tensor) -> None:
+    if x.dim() != 2 or packed_kn.dim() != 2 or group_scales.dim() != 2:
+        raise ValueError(f"expected x [M, K], packed_kn [K/2, N] and group_scales [N, K/G], got {tuple(x.shape)}, "
+                         f"{tuple(packed_kn.shape)} and {tuple(group_scales.shape)}")
+    (m, k), (k_bytes, n), (scale_n, groups) = x.shape, packed_kn.shape, group_scales.shape
+    if x.dtype not in SUPPORTED_DTYPES.values() or group_scales.dtype != x.dtype or packed_kn.dtype != torch.uint8:
+        raise ValueError(f"expected a float x, uint8 bytes and scales in x's dtype, got {x.dtype}, "
+                         f"{packed_kn.dtype} and {group_scales.dtype}")
+    if k != 2 * k_bytes or scale_n != n or groups == 0 or k % groups or (k // groups) % 2:
+        raise ValueError(f"x [M, K] = {tuple(x.shape)} does not fit packed_kn [K/2, N] = {tuple(packed_kn.shape)} "
+                         f"and group_scales [N, K/G] = {tuple(group_scales.shape)} with an even group size G")

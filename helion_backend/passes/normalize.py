@@ -5,7 +5,8 @@
 ``F.linear`` puts in front of a 3-D activation, all become a :class:`GemmSite` with the activation, the
 weight as stored plus its layout, and what the anchor itself applies after the multiply (addmm's
 bias; _scaled_mm's scales and bias) as leading epilogue steps. An int8 weight converted to the
-activation's dtype on its way in is a ``dequant_int8`` prologue. The graph is not changed: a site
+activation's dtype on its way in is a ``dequant_int8`` prologue, a packed int4 weight unpacked and
+scaled per group a ``dequant_int4`` one. The graph is not changed: a site
 that is not fused keeps its original form, which Inductor knows best.
 """
 
@@ -16,6 +17,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..patterns import operand_kind, same_shape, val
+from ..quant_patterns import Int4WeightDequant, int4_weight_dequant
 from ..vocabulary import ANCHOR_OPS, SUPPORTED_DTYPES, Anchor, Operand
 from .context import GemmSite, PassContext, Step
 
@@ -77,6 +79,7 @@ def _describe(node: fx.Node) -> GemmSite | str:
         return leading
     site.leading_steps = leading + ([Step("unpad", [unpad], transparent=True)] if unpad is not None else [])
     _fuse_weight_dequant(site)
+    _fuse_int4_dequant(site)
     return site
 
 
@@ -156,6 +159,22 @@ def _fuse_weight_dequant(site: GemmSite) -> None:
         return
     layout = "nk" if "nk" in (inner_layout, site.weight_layout) else "kn"
     site.fuse_prologue(Step("dequant_int8", [convert]), weight=source, weight_layout=layout)
+
+
+def _fuse_int4_dequant(site: GemmSite) -> None:
+    """An nn.Linear weight dequantized from packed int4 bytes and group scales: the kernel reads those.
+
+    A weight unpacked from bytes in any other way stays as the graph computes it, with a note saying
+    what differs from the one format the kernel knows.
+    """
+    if site.prologue or site.weight_layout != "nk":
+        return
+    found = int4_weight_dequant(site.weight, site.dtype)
+    if isinstance(found, Int4WeightDequant):
+        site.fuse_prologue(Step("dequant_int4", list(found.nodes)), weight=found.packed, weight_scale=found.scales)
+    elif found is not None:
+        site.notes.append(f"the weight is unpacked from uint8 bytes but not as packed int4 with group scales "
+                          f"(dequant_int4): {found}; the GEMM reads the weight as the graph computes it")
 
 
 def _see_through_transpose(rhs: fx.Node) -> tuple[fx.Node, str]:
