@@ -14,7 +14,14 @@ import torch
 from . import report
 from .epilogue import apply_epilogue, operand_kinds, parse_epilogue, parse_prologue
 from .quant_program import QuantProgram, parse_program, quantize_rows
-from .vocabulary import DEFAULT_KERNEL_FAMILY, INT4_HIGH_SHIFT, INT4_LOW_MASK, INT4_ZERO_POINT, QUANT_DTYPES, Operand
+from .vocabulary import (
+    DEFAULT_KERNEL_FAMILY,
+    INT4_HIGH_SHIFT,
+    INT4_LOW_MASK,
+    INT4_ZERO_POINT,
+    QUANT_DTYPES,
+    Operand,
+)
 
 log = logging.getLogger(__name__)
 

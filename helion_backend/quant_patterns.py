@@ -22,7 +22,14 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .patterns import same_shape, val
 from .quant_program import CONVERT, REDUCE, Instruction, QuantProgram, Value, check_program, ref
-from .vocabulary import INT4_HIGH_SHIFT, INT4_LOW_MASK, INT4_ZERO_POINT, QUANT_DTYPES, SUPPORTED_DTYPES, dtype_name
+from .vocabulary import (
+    INT4_HIGH_SHIFT,
+    INT4_LOW_MASK,
+    INT4_ZERO_POINT,
+    QUANT_DTYPES,
+    SUPPORTED_DTYPES,
+    dtype_name,
+)
 
 aten = torch.ops.aten
 prims = torch.ops.prims

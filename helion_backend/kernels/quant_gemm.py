@@ -37,7 +37,14 @@ from helion.autotuner import PowerOfTwoFragment
 
 from .. import quant_program as program_module
 from ..quant_program import QuantProgram
-from ..vocabulary import INT4_FAMILY, INT4_HIGH_SHIFT, INT4_LOW_MASK, INT4_ZERO_POINT, QUANT_DTYPES, SUPPORTED_DTYPES
+from ..vocabulary import (
+    INT4_FAMILY,
+    INT4_HIGH_SHIFT,
+    INT4_LOW_MASK,
+    INT4_ZERO_POINT,
+    QUANT_DTYPES,
+    SUPPORTED_DTYPES,
+)
 from .configs import EPILOGUE_CONFIG, PREQUANTIZE, config_for
 from .gemm import (
     Layout,
@@ -325,7 +332,7 @@ def _check_int4_inputs(x: torch.Tensor, packed_kn: torch.Tensor, group_scales: t
     if x.dim() != 2 or packed_kn.dim() != 2 or group_scales.dim() != 2:
         raise ValueError(f"expected x [M, K], packed_kn [K/2, N] and group_scales [N, K/G], got {tuple(x.shape)}, "
                          f"{tuple(packed_kn.shape)} and {tuple(group_scales.shape)}")
-    (m, k), (k_bytes, n), (scale_n, groups) = x.shape, packed_kn.shape, group_scales.shape
+    k, (k_bytes, n), (scale_n, groups) = x.shape[1], packed_kn.shape, group_scales.shape
     if x.dtype not in SUPPORTED_DTYPES.values() or group_scales.dtype != x.dtype or packed_kn.dtype != torch.uint8:
         raise ValueError(f"expected a float x, uint8 bytes and scales in x's dtype, got {x.dtype}, "
                          f"{packed_kn.dtype} and {group_scales.dtype}")
