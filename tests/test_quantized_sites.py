@@ -20,13 +20,15 @@ import torch.nn.functional as F
 from helpers import CPU_REWRITE, compile_run, sites, sqnr_db
 
 import helion_backend
-from helion_backend.quantize import Fp8DynamicLinear, Int8DynamicLinear, quantize
+from helion_backend.dispatch import dequantize_int4
+from helion_backend.quantize import Fp8DynamicLinear, Int4WeightOnlyLinear, Int8DynamicLinear, quantize
 from helion_backend.rules import RuleError, load_rule_file
 
 FP8, FP8_MAX = torch.float8_e4m3fn, 448.0
 PROLOGUE = {"fp8_dynamic": ["quant_fp8_per_token"], "int8_dynamic": ["quant_int8_per_token"],
-            "int8_weight_only": ["dequant_int8"]}
-KERNEL = {"fp8_dynamic": "gemm_fp8", "int8_dynamic": "gemm_int8", "int8_weight_only": "gemm_weight_only"}
+            "int8_weight_only": ["dequant_int8"], "int4_weight_only": ["dequant_int4"]}
+KERNEL = {"fp8_dynamic": "gemm_fp8", "int8_dynamic": "gemm_int8", "int8_weight_only": "gemm_weight_only",
+          "int4_weight_only": "gemm_int4"}
 
 
 class Block(nn.Module):
@@ -320,3 +322,79 @@ def test_dynamic_token_count(fmt):
             assert [site.prologue for site in found] == [PROLOGUE[fmt]], found
         for site in found:
             assert site.prologue == PROLOGUE[fmt] or any("not a per-token one" in n for n in site.notes), site
+
+
+# --------------------------------------------------------------------------------------------------
+# Packed int4 weights: only the documented dequantization is a prologue.
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_int4_reference_dequantizes_exactly_as_the_layer(dtype):
+    """The reference's dequantization is the layer's own, bit for bit (the rounding of the scale
+    product included), for a group size that is not a power of two."""
+    torch.manual_seed(10)
+    layer = Int4WeightOnlyLinear.from_linear(nn.Linear(240, 32).to(dtype), group_size=48)
+    n, k, g = 32, 240, 48
+    q = torch.stack([layer.packed & 15, layer.packed >> 4], dim=-1).reshape(n, k)
+    expected = ((q.to(dtype) - 8).reshape(n, k // g, g) * layer.scales.reshape(n, k // g, 1)).reshape(n, k)
+    assert torch.equal(dequantize_int4(layer.packed, layer.scales, dtype), expected)
+
+
+class _Int4Variant(Int4WeightOnlyLinear):
+    """The int4 layer with its dequantization written another way (``variant``): a different weight."""
+
+    variant = "documented"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, k, g = self.out_features, self.in_features, self.group_size
+        low, high = self.packed & 15, self.packed >> 4
+        zero = 7 if self.variant == "zero_point_7" else 8
+        pair = [high, low] if self.variant == "high_nibble_first" else [low, high]
+        q = torch.stack(pair, dim=-1).reshape(n, k)
+        centered = (q - zero).to(x.dtype) if self.variant == "sub_before_convert" else q.to(x.dtype) - zero
+        if self.variant == "groups_across_rows":  # the scales of a row's groups laid out column-major
+            scales = self.scales.t().reshape(n, k // g, 1)
+        else:
+            scales = self.scales.reshape(n, k // g, 1)
+        w = (centered.reshape(n, k // g, g) * scales).reshape(n, k)
+        return F.linear(x, w, self.bias)
+
+
+@pytest.mark.parametrize("variant", ["documented", "zero_point_7", "high_nibble_first", "sub_before_convert",
+                                     "groups_across_rows"])
+def test_int4_near_misses_stay_unfused_with_a_note(variant):
+    """Another zero point, nibble order or scale layout, or a subtraction in uint8 (which wraps around)
+    computes another weight: the GEMM is fused without the dequantization, which Inductor keeps, and the
+    report says what differs. The documented form (the control) takes the prologue."""
+    torch.manual_seed(11)
+    layer = _Int4Variant.from_linear(nn.Linear(256, 64), group_size=64)
+    layer.variant = variant
+    x = torch.randn(3, 256)
+    with torch.no_grad():
+        out, reports = compile_run(layer, x)
+        expected = layer(x)
+    (site,) = sites(reports)
+    if variant == "documented":
+        assert (site.prologue, site.kernel, site.notes) == (["dequant_int4"], "gemm_int4", []), site
+    else:
+        assert site.prologue == [] and site.kernel == "gemm", site
+        assert any("not as packed int4" in note for note in site.notes), site.notes
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_int4_packed_bytes_shared_with_another_reader_still_fuse():
+    """The dequantization is pure: the kernel reads the bytes, Inductor still computes the other reader."""
+    torch.manual_seed(12)
+    layer = Int4WeightOnlyLinear.from_linear(nn.Linear(256, 64), group_size=32)
+
+    def fn(x):
+        return layer(x), layer.packed.float().sum()
+
+    x = torch.randn(2, 256)
+    with torch.no_grad():
+        (out, total), reports = compile_run(fn, x)
+        expected_out, expected_total = fn(x)
+    (site,) = sites(reports)
+    assert site.prologue == ["dequant_int4"], site
+    torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
+    assert total == expected_total
