@@ -22,9 +22,10 @@ from helion_backend.quantize import quantize
 pytestmark = pytest.mark.gpu
 
 K, N = 1024, 768
-FAMILIES = {"fp8_dynamic": "gemm_fp8", "int8_dynamic": "gemm_int8", "int8_weight_only": "gemm_weight_only"}
+FAMILIES = {"fp8_dynamic": "gemm_fp8", "int8_dynamic": "gemm_int8", "int8_weight_only": "gemm_weight_only",
+            "int4_weight_only": "gemm_int4"}
 PROLOGUES = {"fp8_dynamic": ["quant_fp8_per_token"], "int8_dynamic": ["quant_int8_per_token"],
-             "int8_weight_only": ["dequant_int8"]}
+             "int8_weight_only": ["dequant_int8"], "int4_weight_only": ["dequant_int4"]}
 
 
 class Block(nn.Module):
@@ -93,6 +94,29 @@ def test_quant_kernel_split_k(qdtype, split_k, prequantize):
     out = quant_gemm_helion(x, module.qweight.t(), steps, operands, [], torch.bfloat16, program, config=config,
                             kernel_family="gemm_fp8" if qdtype == torch.float8_e4m3fn else "gemm_int8")
     assert sqnr_db(reference(x, module.qweight.t(), steps, operands, [], torch.bfloat16, program), out) >= 40
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 4])
+@pytest.mark.parametrize("block_k", [64, 128, 256])
+@pytest.mark.parametrize("group_size", [128, 32])
+def test_int4_kernel_blocks_groups_and_split_k(group_size, block_k, split_k):
+    """The int4 kernel against the graph's dequantization: K blocks (in bytes) smaller and larger than a
+    group, and split-K partial sums finished by the epilogue pass."""
+    import helion
+
+    from helion_backend.dispatch import dequantize_int4, reference
+    from helion_backend.kernels.quant_gemm import int4_gemm_helion
+    from helion_backend.quantize import Int4WeightOnlyLinear
+
+    torch.manual_seed(2)
+    linear = nn.Linear(4096, 512).to(device="cuda", dtype=torch.bfloat16)
+    layer = Int4WeightOnlyLinear.from_linear(linear, group_size=group_size)
+    x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+    steps, operands = ("bias", "silu"), [layer.bias]
+    config = helion.Config(block_sizes=[16, 32, block_k], num_warps=4, num_stages=3, split_k=split_k)
+    out = int4_gemm_helion(x, layer.packed.t(), layer.scales, steps, operands, [], torch.bfloat16, config=config)
+    w_kn = dequantize_int4(layer.packed, layer.scales, torch.bfloat16).t()
+    assert sqnr_db(reference(x, w_kn, steps, operands, [], torch.bfloat16), out) >= 40
 
 
 def _program_of(module: nn.Module):
