@@ -16,6 +16,7 @@ from .epilogue import apply_epilogue, operand_kinds, parse_epilogue, parse_prolo
 from .quant_program import QuantProgram, parse_program, quantize_rows
 from .vocabulary import (
     DEFAULT_KERNEL_FAMILY,
+    FP8_BLOCK,
     INT4_HIGH_SHIFT,
     INT4_LOW_MASK,
     INT4_ZERO_POINT,
@@ -86,13 +87,11 @@ def run_gemm_epilogue(
     site: str = "",
 ) -> torch.Tensor:
     # The step names are validated here; what they do is in the program, the dtypes and ``weight_scale``.
-    int4 = "dequant_int4" in parse_prologue(prologue)
+    prologue_steps = parse_prologue(prologue)
+    int4, block_fp8 = "dequant_int4" in prologue_steps, "dequant_fp8_block" in prologue_steps
     program = parse_program(quant_program) if quant_program else None
     steps = parse_epilogue(epilogue)
-    if int4 != (weight_scale is not None) or (int4 and weight_layout != "nk"):
-        raise ValueError("dequant_int4 takes packed [N, K/2] bytes (weight_layout 'nk') and their group scales "
-                         f"(weight_scale); got prologue {prologue!r}, weight_layout {weight_layout!r} and "
-                         f"{'a' if weight_scale is not None else 'no'} weight_scale")
+    _check_weight_scale(prologue, weight_layout, weight_scale, int4 or block_fp8, block_fp8 and program is None)
     w_kn = weight_kn(weight, weight_layout)
     up_kn = weight_kn(up_weight, up_layout) if up_weight is not None else None
     flat = flatten_operands(operands, steps, w_kn.shape[1])
@@ -112,7 +111,22 @@ def run_gemm_epilogue(
         _fall_back(site, m, failure)
     if int4:
         w_kn = dequantize_int4(weight, weight_scale, x.dtype).t()
+    elif block_fp8:
+        x, w_kn = dequantize_block_fp8(x, program, weight, weight_scale)
+        program = None
     return reference(x, w_kn, steps, flat, scalars, out_dtype, program, up_kn)
+
+
+def _check_weight_scale(prologue: str, weight_layout: str, weight_scale: torch.Tensor | None, scaled: bool,
+                        missing_program: bool) -> None:
+    """A weight dequantization's scales come with its prologue step, and its weight is an [N, K..] one."""
+    if scaled == (weight_scale is not None) and (not scaled or weight_layout == "nk") and not missing_program:
+        return
+    raise ValueError(f"prologue {prologue!r}: dequant_int4 and dequant_fp8_block take an [N, ..] weight "
+                     "(weight_layout 'nk') and its scales (weight_scale), block fp8 also its activation's "
+                     f"quantization (quant_program); got weight_layout {weight_layout!r}, "
+                     f"{'a' if weight_scale is not None else 'no'} weight_scale"
+                     f"{' and no quant_program' if missing_program else ''}")
 
 
 def _clear_frames(error: BaseException | None) -> None:
@@ -178,6 +192,19 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dty
     q = torch.stack([packed & INT4_LOW_MASK, packed >> INT4_HIGH_SHIFT], dim=-1).reshape(n, k)
     centered = (q.to(dtype) - INT4_ZERO_POINT).reshape(n, groups, k // groups)
     return (centered * scales.reshape(n, groups, 1)).reshape(n, k)
+
+
+def dequantize_block_fp8(
+    x: torch.Tensor, program: QuantProgram, weight: torch.Tensor, scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_dq [M, K], w_kn [K, N])`` in x's dtype, as the hand-written block fp8 graph computes them: x
+    quantized per 1 x FP8_BLOCK group by ``program`` and dequantized, the fp8 [N, K] ``weight`` scaled per
+    FP8_BLOCK x FP8_BLOCK block by ``scales`` [N/B, K/B], both in fp32 and then rounded to x's dtype."""
+    (m, k), n, b = x.shape, weight.shape[0], FP8_BLOCK
+    quantized, scale = quantize_rows(program, x.reshape(m, k // b, b))
+    x_dq = (quantized.to(torch.float32) * scale).reshape(m, k).to(x.dtype)
+    blocks = weight.to(torch.float32).reshape(n // b, b, k // b, b) * scales.reshape(n // b, 1, k // b, 1)
+    return x_dq, blocks.reshape(n, k).to(x.dtype).t()
 
 
 def weight_kn(weight: torch.Tensor, weight_layout: str) -> torch.Tensor:

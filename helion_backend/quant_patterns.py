@@ -53,15 +53,17 @@ class ActivationQuant:
     nodes: tuple[fx.Node, ...]
 
 
-def activation_quant(quantized: fx.Node, scale: fx.Node) -> ActivationQuant | None:
+def activation_quant(quantized: fx.Node, scale: fx.Node, rank: int = 2) -> ActivationQuant | None:
     """The per-token quantization computing ``quantized`` and ``scale`` from one float tensor, or None.
 
     ``quantized`` must be an [M, K] fp8/int8 tensor and ``scale`` the [M, 1] column that rescales the
     GEMM's rows; both must be computed from one [M, K] float tensor x by pointwise ops and a single
-    amax over K, with the scale depending on x only through that amax.
+    amax over K, with the scale depending on x only through that amax. With ``rank=3`` the tensors are
+    [M, K/G, G] and [M, K/G, 1]: a quantization per group of G along K (block fp8), which is the same
+    program run on each [M, G] slice.
     """
     q, s = val(quantized), val(scale)
-    if q is None or s is None or q.dim() != 2 or q.dtype not in QUANT_DTYPES.values():
+    if q is None or s is None or q.dim() != rank or q.dtype not in QUANT_DTYPES.values():
         return None
     if quantized.target is not prims.convert_element_type.default:
         return None
@@ -161,12 +163,12 @@ def _program(x: fx.Node, nodes: list[fx.Node], quantized: fx.Node, scale: fx.Nod
     refs: dict[fx.Node, str] = {x: ref(0)}
     instructions: list[Instruction] = []
     reductions: list[tuple[fx.Node, fx.Node]] = []  # (reduction's result, its input)
-    m = val(x).shape[0]
+    rows = val(x).shape[:-1]  # [M], or [M, K/G] for a quantization per group
     for node in nodes:
         if node.target is aten.max.dim:
             continue  # read through its getitem
         out = val(node)
-        if out is None or out.dim() != 2 or not statically_known_true(out.shape[0] == m):
+        if out is None or not same_shape(out.shape[:-1], rows):
             return None
         ins = _instruction(node, refs)
         if ins is None:
@@ -179,7 +181,7 @@ def _program(x: fx.Node, nodes: list[fx.Node], quantized: fx.Node, scale: fx.Nod
         return None
     amax, reduced = reductions[0]
     reduced_val = val(reduced)
-    if not same_shape(reduced_val.shape, val(x).shape) or not statically_known_true(val(amax).shape[1] == 1):
+    if not same_shape(reduced_val.shape, val(x).shape) or not statically_known_true(val(amax).shape[-1] == 1):
         return None
     if not same_shape(val(scale).shape, val(amax).shape):
         return None
@@ -232,11 +234,11 @@ def _instruction(node: fx.Node, refs: dict[fx.Node, str]) -> Instruction | None:
 
 def _reduces_last_dim(node: fx.Node, dim=None, keepdim=False, *rest) -> bool:
     source = val(node.args[0])
-    if source is None or source.dim() != 2:
+    if source is None or source.dim() < 2:
         return False
     dims = [dim] if isinstance(dim, int) else list(dim or [])
     keepdim = node.kwargs.get("keepdim", keepdim)
-    return keepdim is True and len(dims) == 1 and dims[0] in (-1, 1)
+    return keepdim is True and len(dims) == 1 and dims[0] in (-1, source.dim() - 1)
 
 
 _INVALID = object()
@@ -274,17 +276,17 @@ def int4_weight_dequant(weight: fx.Node, dtype: torch.dtype) -> Int4WeightDequan
         return None
     try:
         return _int4_chain(weight, dtype)
-    except _NotInt4 as e:
+    except _NotTheFormat as e:
         return str(e)
 
 
-class _NotInt4(Exception):
-    pass
+class _NotTheFormat(Exception):
+    """A dequantization chain differs from the one format a kernel computes (the message says where)."""
 
 
 def _expect(condition: bool, what: str) -> None:
     if not condition:
-        raise _NotInt4(what)
+        raise _NotTheFormat(what)
 
 
 def _unpacks_bytes(weight: fx.Node) -> bool:
@@ -374,3 +376,118 @@ def _unsqueezed(node: fx.Node) -> fx.Node:
 
 def _is_number(value: object, expected: float) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and value == expected
+
+
+# --------------------------------------------------------------------------------------------------
+# Block fp8 (DeepSeek-V3), written by hand (helion_backend.quantize.BlockFp8Linear): the activation
+# quantized per 1 x B group along K and dequantized, the fp8 weight dequantized per B x B block.
+
+
+@dataclass(frozen=True)
+class BlockFp8Operands:
+    """The tensors a block-fp8 GEMM reads instead of its two dequantized operands, and those chains."""
+
+    x: fx.Node  # the float activation [M, K], before its quantization per group
+    program: QuantProgram  # the quantization of one [M, B] group (the graph's own ops)
+    weight: fx.Node  # fp8 [N, K]
+    weight_scale: fx.Node  # fp32 [N/B, K/B]
+    activation_nodes: tuple[fx.Node, ...]
+    weight_nodes: tuple[fx.Node, ...]
+
+
+def block_fp8_operands(x_dq: fx.Node, w_dq: fx.Node, dtype: torch.dtype, block: int) -> BlockFp8Operands | str | None:
+    """The block-fp8 quantization behind the GEMM's ``x_dq`` [M, K] and ``w_dq`` [N, K] (both in ``dtype``),
+    a string saying what differs when both are dequantized from fp8 in another way, or None when they are not.
+
+    Taken only as written by hand: ``x_dq = (q.float() * s).reshape(M, K).to(dtype)`` where ``(q, s)`` is a
+    per-group quantization of ``x.reshape(M, K/B, B)`` (any form :func:`activation_quant` takes), and
+    ``w_dq = (wq.float().reshape(N/B, B, K/B, B) * ws.reshape(N/B, 1, K/B, 1)).reshape(N, K).to(dtype)``.
+    """
+    if not (_dequantizes_fp8(x_dq) and _dequantizes_fp8(w_dq)):
+        return None
+    try:
+        x, program, activation_nodes = _block_fp8_activation(x_dq, dtype, block)
+        weight, weight_scale, weight_nodes = _block_fp8_weight(w_dq, dtype, block)
+    except _NotTheFormat as e:
+        return str(e)
+    return BlockFp8Operands(x, program, weight, weight_scale, activation_nodes, weight_nodes)
+
+
+def _dequantizes_fp8(node: fx.Node) -> bool:
+    """Whether ``node`` is computed (within a few ops) from an fp8 tensor converted to a float dtype."""
+    seen, todo = set(), [node]
+    while todo and len(seen) <= 8:  # breadth first: the convert is a few ops up, the scale's chain longer
+        node = todo.pop(0)
+        if node in seen or node.op != "call_function":
+            continue
+        seen.add(node)
+        if node.target is prims.convert_element_type.default:
+            source = val(node.args[0])
+            if source is not None and source.dtype == torch.float8_e4m3fn:
+                return True
+        todo.extend(node.all_input_nodes)
+    return False
+
+
+def _cast_to(node: fx.Node, dtype: torch.dtype, what: str) -> fx.Node:
+    """``node``'s fp32 source when ``node`` converts it to ``dtype``; ``node`` itself in an fp32 model."""
+    if dtype == torch.float32 and val(node).dtype == torch.float32:
+        return node
+    _expect(node.target is prims.convert_element_type.default and node.args[1] == dtype,
+            f"{what} is not converted to the GEMM's dtype")
+    _expect(val(node.args[0]) is not None and val(node.args[0]).dtype == torch.float32, f"{what} is not fp32")
+    return node.args[0]
+
+
+def _product(node: fx.Node, what: str) -> tuple[fx.Node, fx.Node]:
+    _expect(node.target is aten.mul.Tensor and not node.kwargs and len(node.all_input_nodes) == 2,
+            f"{what} is not a product of values and scales")
+    return node.args[0], node.args[1]
+
+
+def _block_fp8_activation(x_dq: fx.Node, dtype: torch.dtype, block: int) -> tuple[fx.Node, QuantProgram, tuple]:
+    m, k = val(x_dq).shape
+    _expect(isinstance(k, int) and k % block == 0, f"K={k} is not a multiple of the block {block}")
+    flat = _cast_to(x_dq, dtype, "the dequantized activation")
+    product = _reshape_source(flat, (m, k), "the activation")
+    values, scale = _product(product, "the dequantized activation")
+    if val(values) is not None and val(values).shape[-1] == 1:  # s * q: the same product
+        values, scale = scale, values
+    _expect(values.target is prims.convert_element_type.default and values.args[1] == torch.float32,
+            "the quantized activation is not converted to fp32 before its scale")
+    quantized = values.args[0]
+    scale_val = val(scale)
+    _expect(scale_val is not None and scale_val.dtype == torch.float32
+            and same_shape(scale_val.shape, (m, k // block, 1)), f"the activation scale is not fp32 [M, K/{block}, 1]")
+    q = val(quantized)
+    _expect(q is not None and q.dtype == torch.float8_e4m3fn and same_shape(q.shape, (m, k // block, block)),
+            f"the activation is not quantized to fp8 in groups of {block} along K")
+    found = activation_quant(quantized, scale, rank=3)
+    _expect(found is not None, f"the activation is not quantized per group of {block} from itself alone")
+    x = _reshape_source(found.x, (m, k // block, block), "the grouped activation")
+    x_val = val(x)
+    _expect(x_val is not None and x_val.dtype == dtype and same_shape(x_val.shape, (m, k)),
+            "the quantized activation is not the GEMM's [M, K] activation in its dtype")
+    return x, found.program, (found.x, *found.nodes, values, product, *dict.fromkeys([flat, x_dq]))
+
+
+def _block_fp8_weight(w_dq: fx.Node, dtype: torch.dtype, block: int) -> tuple[fx.Node, fx.Node, tuple]:
+    n, k = val(w_dq).shape
+    _expect(isinstance(n, int) and n % block == 0, f"N={n} is not a multiple of the block {block}")
+    blocks = (n // block, block, k // block, block)
+    flat = _cast_to(w_dq, dtype, "the dequantized weight")
+    product = _reshape_source(flat, (n, k), "the weight")
+    values, scale_view = _product(product, "the dequantized weight")
+    if val(values) is not None and val(values).shape[-1] == 1:
+        values, scale_view = scale_view, values
+    converted = _reshape_source(values, blocks, "the weight blocks")
+    scale = _reshape_source(scale_view, (n // block, 1, k // block, 1), "the weight block scales")
+    _expect(converted.target is prims.convert_element_type.default and converted.args[1] == torch.float32,
+            "the fp8 weight is not converted to fp32 before its scale")
+    weight, weight_val, scale_val = converted.args[0], val(converted.args[0]), val(scale)
+    _expect(weight_val is not None and weight_val.dtype == torch.float8_e4m3fn and same_shape(weight_val.shape, (n, k)),
+            "the weight is not an fp8 [N, K] tensor")
+    _expect(scale_val is not None and scale_val.dtype == torch.float32
+            and same_shape(scale_val.shape, (n // block, k // block)),
+            f"the weight scales are not an fp32 [N/{block}, K/{block}] tensor")
+    return weight, scale, (converted, values, scale_view, product, *dict.fromkeys([flat, w_dq]))

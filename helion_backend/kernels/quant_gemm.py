@@ -38,6 +38,8 @@ from helion.autotuner import PowerOfTwoFragment
 from .. import quant_program as program_module
 from ..quant_program import QuantProgram
 from ..vocabulary import (
+    FP8_BLOCK,
+    FP8_BLOCK_FAMILY,
     INT4_FAMILY,
     INT4_HIGH_SHIFT,
     INT4_LOW_MASK,
@@ -176,6 +178,47 @@ def int4_gemm_kernel(
             high = ((pair >> INT4_HIGH_SHIFT).to(x_even.dtype) - INT4_ZERO_POINT) * scale
             acc = hl.dot(x_even[tile_m, tile_k], low, acc=acc)
             acc = hl.dot(x_odd[tile_m, tile_k], high, acc=acc)
+        result = acc
+        if split_k == 1:
+            result = epilogue(result, operands, scalars, tile_m, tile_n)
+        out[tile_split.id, tile_m, tile_n] = result.to(out.dtype)
+
+
+@helion.kernel(static_shapes=True, autotune_effort="none")
+def block_fp8_gemm_kernel(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    out: torch.Tensor,
+    operands: list[torch.Tensor],
+    scalars: list[float],
+    reduced: Callable[[torch.Tensor], torch.Tensor],
+    scale_of: Callable[[torch.Tensor], torch.Tensor],
+    quantize: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    epilogue: Callable[..., torch.Tensor],
+) -> None:
+    """Block fp8: ``out[0] = epilogue(sum_kb (q(x_kb) @ w_kb) * sa[:, kb] * sb[kb, nb])`` with ``split_k == 1``.
+
+    The K block is one group (FP8_BLOCK columns): each step quantizes its [block_m, B] slice of the float
+    activation as the program says (amax over the group, scale, fp8), multiplies it by the fp8 weight
+    block in fp8 (fp32 result), and scales the product by the group's per-row scale and the weight
+    block's scale of each column (``w_scale`` is [K/B, N/B]) before adding it to the fp32 accumulator.
+    """
+    m, k = x.size()
+    n = w.size(1)
+    block_m = hl.register_block_size(m)
+    block_n = hl.register_block_size(n)
+    split_k = hl.register_tunable("split_k", PowerOfTwoFragment(1, 64, 1))
+    k_per_split = helion.cdiv(helion.cdiv(k, split_k), 256) * 256
+    for tile_m, tile_n, tile_split in hl.tile([m, n, k], block_size=[block_m, block_n, k_per_split]):
+        acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
+        for tile_k in hl.tile(tile_split.begin, tile_split.end, block_size=FP8_BLOCK):
+            x_block = x[tile_m, tile_k]
+            amax = torch.amax(reduced(x_block).to(torch.float32), dim=1, keepdim=True)
+            scale = scale_of(amax)
+            product = hl.dot(quantize(x_block, amax, scale), w[tile_k, tile_n], out_dtype=torch.float32)
+            block_scale = w_scale[tile_k.begin // FP8_BLOCK, tile_n.index // FP8_BLOCK]
+            acc = acc + product * scale.to(torch.float32) * block_scale[None, :]
         result = acc
         if split_k == 1:
             result = epilogue(result, operands, scalars, tile_m, tile_n)
@@ -339,3 +382,68 @@ def _check_int4_inputs(x: torch.Tensor, packed_kn: torch.Tensor, group_scales: t
     if k != 2 * k_bytes or scale_n != n or groups == 0 or k % groups or (k // groups) % 2:
         raise ValueError(f"x [M, K] = {tuple(x.shape)} does not fit packed_kn [K/2, N] = {tuple(packed_kn.shape)} "
                          f"and group_scales [N, K/G] = {tuple(group_scales.shape)} with an even group size G")
+
+
+def block_fp8_gemm_helion(
+    x: torch.Tensor,
+    w_kn: torch.Tensor,
+    block_scales: torch.Tensor,
+    steps: tuple[str, ...],
+    operands: Sequence[torch.Tensor],
+    scalars: Sequence[float],
+    out_dtype: torch.dtype,
+    program: QuantProgram,
+    config: helion.Config | None = None,
+    config_dir: str | None = None,
+) -> torch.Tensor:
+    """``epilogue(x @ w)`` for block fp8, as a contiguous [M, N] ``out_dtype`` tensor: the float activation
+    ``x`` [M, K] quantized per 1 x B group by ``program`` in the kernel, the fp8 weight ``w_kn`` [K, N]
+    (a view of the [N, K] one) with ``block_scales`` [N/B, K/B]. The config's K block is ignored: it is B."""
+    steps, operands, scalars = tuple(steps), list(operands), [float(s) for s in scalars]
+    _check_block_fp8_inputs(x, w_kn, block_scales, program)
+    sig = Signature(Layout.of(x), Layout.of(w_kn), tuple(map(Layout.of, operands)), len(scalars), steps, out_dtype)
+    check_operands(sig)
+    check_family_steps(steps, FP8_BLOCK_FAMILY)
+    (m, k), n = x.shape, w_kn.shape[1]
+    if config is None:
+        config = config_for(m, k, n, x.dtype, x.device, config_dir, FP8_BLOCK_FAMILY)
+    config = _block_k_of_one_group(config)
+    epilogue = tile_epilogue(steps)
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    split_k = config.get("split_k", 1)
+    target = out.unsqueeze(0) if split_k == 1 else torch.empty(
+        (num_k_splits(k, split_k), m, n), dtype=torch.float32, device=x.device
+    )
+    scales_kn = block_scales.t()
+    args = (x, w_kn, scales_kn, target, operands, scalars, *program_functions(program), epilogue)
+    key = (sig, Layout.of(scales_kn), program)
+    compiled_kernel(block_fp8_gemm_kernel, args, key, config, target.shape[0])(*args)
+    if split_k == 1:
+        return out
+    finish_args = (target, out, operands, scalars, epilogue)
+    compiled_kernel(epilogue_kernel, finish_args, sig, EPILOGUE_CONFIG, target.shape[0])(*finish_args)
+    return out
+
+
+@functools.cache  # on every launch
+def _block_k_of_one_group(config: helion.Config) -> helion.Config:
+    """``config`` with its K block dropped: the kernel's K loop has a fixed block of one group, so Helion
+    takes only the M and N block sizes (and ``prequantize``, ours, has no meaning here)."""
+    block_sizes = config.get("block_sizes", [])
+    rest = {key: value for key, value in config.items() if key not in ("block_sizes", PREQUANTIZE)}
+    return helion.Config(block_sizes=list(block_sizes[:2]), **rest)
+
+
+def _check_block_fp8_inputs(x: torch.Tensor, w_kn: torch.Tensor, block_scales: torch.Tensor,
+                            program: QuantProgram) -> None:
+    if x.dim() != 2 or w_kn.dim() != 2 or x.shape[1] != w_kn.shape[0]:
+        raise ValueError(f"expected x [M, K] and w_kn [K, N], got {tuple(x.shape)} and {tuple(w_kn.shape)}")
+    (k, n), b = w_kn.shape, FP8_BLOCK
+    if k % b or n % b or tuple(block_scales.shape) != (n // b, k // b):
+        raise ValueError(f"block fp8 needs K and N multiples of {b} and scales [N/{b}, K/{b}]; got w_kn "
+                         f"{tuple(w_kn.shape)} and scales {tuple(block_scales.shape)}")
+    if w_kn.dtype != torch.float8_e4m3fn or program.quant_dtype != torch.float8_e4m3fn:
+        raise ValueError(f"block fp8 multiplies float8_e4m3fn operands, got a {w_kn.dtype} weight and a "
+                         f"{program.quant_dtype} activation quantization")
+    if x.dtype not in SUPPORTED_DTYPES.values() or block_scales.dtype != torch.float32:
+        raise ValueError(f"expected a float activation and fp32 block scales, got {x.dtype} and {block_scales.dtype}")

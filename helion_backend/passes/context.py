@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Union
 import torch
 import torch.fx as fx
 
+from ..vocabulary import ACTIVATION_QUANT_STEPS
+
 if TYPE_CHECKING:
     from ..options import BackendOptions
     from ..quant_program import QuantProgram
@@ -88,6 +90,11 @@ class GemmSite:
                     value = [originals.get(id(step), step) for step in self.chain]
                 setattr(self, name, value)
         self.prologue, self.quant_program, self.undo_prologue = [], None, []
+
+    @property
+    def quantizes_per_token(self) -> bool:
+        """Whether the prologue quantizes the activation per token (its scale is then the ``act_scale`` step)."""
+        return any(step.name in ACTIVATION_QUANT_STEPS.values() for step in self.prologue)
 
     @property
     def steps(self) -> list[Step]:
