@@ -96,8 +96,9 @@ TAG_DTYPES = {tag: dtype for dtype, tag in DTYPE_TAGS.items()}
 TOLERANCES = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-4}
 # Quantized layers against the float64 result of their float weights: the quantization's own error
 # (fp8 per token: ~28 dB SQNR, rel. error ~0.04; int8: ~40 dB; int8 weight-only: ~42 dB; int4 weight-only,
-# groups of 128: ~23 dB, rel. error ~0.07), with margin.
-QUANT_TOLERANCES = {"fp8_dynamic": 0.1, "int8_dynamic": 0.04, "int8_weight_only": 0.03, "int4_weight_only": 0.15}
+# groups of 128: ~23 dB, rel. error ~0.07; block fp8: ~0.04), with margin.
+QUANT_TOLERANCES = {"fp8_dynamic": 0.1, "int8_dynamic": 0.04, "int8_weight_only": 0.03, "int4_weight_only": 0.15,
+                    "fp8_block": 0.1}
 
 # Rotating weights. A decode GEMM's bytes are almost all weight (>= 8 MB here) and the H200 has a 50 MB
 # L2: replaying one module back to back would serve the kv weight (8 MB) from L2 and "beat" the HBM

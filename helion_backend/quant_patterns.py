@@ -463,7 +463,8 @@ def _block_fp8_activation(x_dq: fx.Node, dtype: torch.dtype, block: int) -> tupl
     _expect(q is not None and q.dtype == torch.float8_e4m3fn and same_shape(q.shape, (m, k // block, block)),
             f"the activation is not quantized to fp8 in groups of {block} along K")
     found = activation_quant(quantized, scale, rank=3)
-    _expect(found is not None, f"the activation is not quantized per group of {block} from itself alone")
+    _expect(found is not None, f"the quantization is not a per-group ({block}) one of the activation alone (it "
+            "reads other tensors, e.g. constants lifted to inputs by dynamic=True, or ops outside the vocabulary)")
     x = _reshape_source(found.x, (m, k // block, block), "the grouped activation")
     x_val = val(x)
     _expect(x_val is not None and x_val.dtype == dtype and same_shape(x_val.shape, (m, k)),

@@ -21,14 +21,22 @@ from helpers import CPU_REWRITE, compile_run, sites, sqnr_db
 
 import helion_backend
 from helion_backend.dispatch import dequantize_int4
-from helion_backend.quantize import Fp8DynamicLinear, Int4WeightOnlyLinear, Int8DynamicLinear, quantize
+from helion_backend.quantize import (
+    FP8_BLOCK,
+    BlockFp8Linear,
+    Fp8DynamicLinear,
+    Int4WeightOnlyLinear,
+    Int8DynamicLinear,
+    quantize,
+)
 from helion_backend.rules import RuleError, load_rule_file
 
 FP8, FP8_MAX = torch.float8_e4m3fn, 448.0
 PROLOGUE = {"fp8_dynamic": ["quant_fp8_per_token"], "int8_dynamic": ["quant_int8_per_token"],
-            "int8_weight_only": ["dequant_int8"], "int4_weight_only": ["dequant_int4"]}
+            "int8_weight_only": ["dequant_int8"], "int4_weight_only": ["dequant_int4"],
+            "fp8_block": ["quant_fp8_per_group", "dequant_fp8_block"]}
 KERNEL = {"fp8_dynamic": "gemm_fp8", "int8_dynamic": "gemm_int8", "int8_weight_only": "gemm_weight_only",
-          "int4_weight_only": "gemm_int4"}
+          "int4_weight_only": "gemm_int4", "fp8_block": "gemm_fp8_block"}
 
 
 class Block(nn.Module):
@@ -173,12 +181,12 @@ def test_rule_files_pair_kernel_families_with_their_dtypes_and_prologues(tmp_pat
     assert f"{path}:{line}:" in str(info.value) and message in str(info.value), str(info.value)
 
 
-@pytest.mark.parametrize("fmt", ["fp8_dynamic", "int8_dynamic"])
+@pytest.mark.parametrize("fmt", ["fp8_dynamic", "int8_dynamic", "fp8_block"])
 def test_zero_rows_saturation_and_nan_behave_as_the_unfused_graph(fmt):
     """All-zero rows take the clamped scale; values far past the format's range saturate; a NaN row
     stays NaN (and only that row)."""
     torch.manual_seed(7)
-    layer = quantize(nn.Linear(256, 64), fmt)
+    layer = quantize(nn.Linear(256, FP8_BLOCK if fmt == "fp8_block" else 64), fmt)  # block fp8: N % 128 == 0
     x = torch.randn(5, 256)
     x[1] = 0
     x[2, :5] = 1e30
@@ -321,7 +329,7 @@ def test_dynamic_token_count(fmt):
         if dynamic is None:
             assert [site.prologue for site in found] == [PROLOGUE[fmt]], found
         for site in found:
-            assert site.prologue == PROLOGUE[fmt] or any("not a per-token one" in n for n in site.notes), site
+            assert site.prologue == PROLOGUE[fmt] or any("of the activation alone" in n for n in site.notes), site
 
 
 # --------------------------------------------------------------------------------------------------
@@ -398,3 +406,48 @@ def test_int4_packed_bytes_shared_with_another_reader_still_fuse():
     assert site.prologue == ["dequant_int4"], site
     torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
     assert total == expected_total
+
+
+# --------------------------------------------------------------------------------------------------
+# Block fp8 written by hand: both dequantizations, exactly so, or neither.
+
+
+class _BlockFp8Variant(BlockFp8Linear):
+    """The block fp8 layer with one of its dequantizations written another way (``variant``)."""
+
+    variant = "documented"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, k = self.out_features, self.in_features
+        group = FP8_BLOCK // 2 if self.variant == "activation_groups_of_64" else FP8_BLOCK
+        xg = x.reshape(-1, k // group, group)
+        scale = (xg.abs().amax(dim=-1, keepdim=True).float() / 448.0).clamp(min=1e-12)
+        xq = (xg.float() / scale).clamp(-448.0, 448.0).to(FP8)
+        if self.variant == "activation_dequantized_in_model_dtype":  # rounds q * s once more, in bf16
+            x_dq = (xq.to(x.dtype) * scale.to(x.dtype)).reshape(-1, k)
+        else:
+            x_dq = (xq.float() * scale).reshape(-1, k).to(x.dtype)
+        b = FP8_BLOCK
+        w_dq = (self.qweight.float().reshape(n // b, b, k // b, b)
+                * self.weight_scale.reshape(n // b, 1, k // b, 1)).reshape(n, k).to(x.dtype)
+        return F.linear(x_dq, w_dq, self.bias)
+
+
+@pytest.mark.parametrize("variant", ["documented", "activation_groups_of_64", "activation_dequantized_in_model_dtype"])
+def test_block_fp8_near_misses_stay_unfused_with_a_note(variant):
+    """Activation groups of 64, or a dequantization rounded in bf16, are not the format the kernel
+    computes: the GEMM fuses as a float one and the report says what differs."""
+    torch.manual_seed(13)
+    layer = _BlockFp8Variant.from_linear(nn.Linear(256, 128).to(torch.bfloat16))
+    layer.variant = variant
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        out, reports = compile_run(layer, x)
+        expected = layer(x)
+    (site,) = sites(reports)
+    if variant == "documented":
+        assert (site.prologue, site.kernel, site.notes) == (PROLOGUE["fp8_block"], "gemm_fp8_block", []), site
+    else:
+        assert site.prologue == [] and site.kernel == "gemm", site
+        assert any("not as block fp8" in note for note in site.notes), site.notes
+    assert sqnr_db(expected, out) >= 40
