@@ -91,7 +91,7 @@ def run_gemm_epilogue(
     int4, block_fp8 = "dequant_int4" in prologue_steps, "dequant_fp8_block" in prologue_steps
     program = parse_program(quant_program) if quant_program else None
     steps = parse_epilogue(epilogue)
-    _check_weight_scale(prologue, weight_layout, weight_scale, int4 or block_fp8, block_fp8 and program is None)
+    _check_weight_dequant(prologue_steps, weight_layout, weight_scale, program)
     w_kn = weight_kn(weight, weight_layout)
     up_kn = weight_kn(up_weight, up_layout) if up_weight is not None else None
     flat = flatten_operands(operands, steps, w_kn.shape[1])
@@ -117,16 +117,20 @@ def run_gemm_epilogue(
     return reference(x, w_kn, steps, flat, scalars, out_dtype, program, up_kn)
 
 
-def _check_weight_scale(prologue: str, weight_layout: str, weight_scale: torch.Tensor | None, scaled: bool,
-                        missing_program: bool) -> None:
-    """A weight dequantization's scales come with its prologue step, and its weight is an [N, K..] one."""
-    if scaled == (weight_scale is not None) and (not scaled or weight_layout == "nk") and not missing_program:
+def _check_weight_dequant(prologue: tuple[str, ...], weight_layout: str, weight_scale: torch.Tensor | None,
+                          program: QuantProgram | None) -> None:
+    """``dequant_int4`` and ``dequant_fp8_block`` read their [N, ..] weight's scales (``weight_scale``), block
+    fp8 also its activation's quantization program; no other prologue has a ``weight_scale``."""
+    scaled = "dequant_int4" in prologue or "dequant_fp8_block" in prologue
+    if scaled != (weight_scale is not None):
+        problem = f"{'no' if scaled else 'a'} weight_scale"
+    elif scaled and weight_layout != "nk":
+        problem = f"weight_layout {weight_layout!r} (the scaled weights are [N, ..])"
+    elif "dequant_fp8_block" in prologue and program is None:
+        problem = "no quant_program for the activation's groups"
+    else:
         return
-    raise ValueError(f"prologue {prologue!r}: dequant_int4 and dequant_fp8_block take an [N, ..] weight "
-                     "(weight_layout 'nk') and its scales (weight_scale), block fp8 also its activation's "
-                     f"quantization (quant_program); got weight_layout {weight_layout!r}, "
-                     f"{'a' if weight_scale is not None else 'no'} weight_scale"
-                     f"{' and no quant_program' if missing_program else ''}")
+    raise ValueError(f"prologue {list(prologue)} with {problem}")
 
 
 def _clear_frames(error: BaseException | None) -> None:

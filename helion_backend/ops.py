@@ -39,7 +39,8 @@ def gemm_epilogue(
 
     ``weight_layout`` is "kn" for a [K, N] weight and "nk" for an nn.Linear [N, K] weight.
     ``weight_scale`` is what a weight dequantization reads besides the weight (``dequant_int4``: the
-    [N, K/G] group scales, with ``weight`` the packed uint8 [N, K/2] bytes); None elsewhere.
+    [N, K/G] group scales, with ``weight`` the packed uint8 [N, K/2] bytes; ``dequant_fp8_block``: the
+    fp32 [N/128, K/128] block scales of the fp8 [N, K] ``weight``); None elsewhere.
     ``up_weight`` (layout ``up_layout``) is a gated MLP's up projection of the same x, which the
     epilogue's ``up_mul`` step multiplies in; None elsewhere.
     ``prologue`` is a comma-joined list of prologue steps (see :mod:`.vocabulary`); an activation

@@ -1,7 +1,9 @@
 """Recognizers for quantization prologues in the forms the post-grad graph really has.
 
 A packed int4 weight is found as the exact chain that unpacks, centers and scales it
-(:func:`int4_weight_dequant`); the kernel reads the bytes and the group scales instead.
+(:func:`int4_weight_dequant`); the kernel reads the bytes and the group scales instead. Block fp8 written
+by hand is found as the two dequantizations feeding a float GEMM (:func:`block_fp8_operands`); its
+activation's quantization per group is recorded as a program like the per-token one.
 
 Dynamic per-token activation quantization is found as the region of pointwise ops and one amax over K
 that computes the GEMM's quantized input and its per-token scale from one float tensor. The region is

@@ -86,12 +86,10 @@ def default_config(m: int, k: int, n: int, dtype: torch.dtype, kernel: str = DEF
     )
 
 
-# The int4 kernel's K block counts packed bytes (two columns of K each), and every step holds four
-# [block_k, block_n] tiles in registers (bytes, their group scales, two dequantized nibbles): a quarter
-# of the 16-bit depth, 128 columns of K at the least.
-
-
 def _int4_block_k(block_k: int) -> int:
+    """The int4 kernel's K block for a 16-bit one: it counts packed bytes (two columns of K each), and every
+    step holds four [block_k, block_n] tiles in registers (bytes, their group scales, two dequantized
+    nibbles), so a quarter of the 16-bit depth, and 128 columns of K at the least."""
     return max(64, block_k // 4)
 
 

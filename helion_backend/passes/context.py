@@ -59,7 +59,8 @@ class GemmSite:
     # Fused prologue steps, and for an activation quantization its program (x is then the float input).
     prologue: list[Step] = field(default_factory=list)
     quant_program: QuantProgram | None = None
-    # The scales a weight dequantization reads besides the weight (dequant_int4: [N, K/G] group scales).
+    # The scales a weight dequantization reads besides the weight (dequant_int4: [N, K/G] group scales;
+    # dequant_fp8_block: [N/128, K/128] block scales).
     weight_scale: fx.Node | None = None
     # A gated MLP's up projection, multiplied in by the ``up_mul`` step: its weight as stored, and layout.
     up_weight: fx.Node | None = None

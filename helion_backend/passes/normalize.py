@@ -6,7 +6,8 @@
 weight as stored plus its layout, and what the anchor itself applies after the multiply (addmm's
 bias; _scaled_mm's scales and bias) as leading epilogue steps. An int8 weight converted to the
 activation's dtype on its way in is a ``dequant_int8`` prologue, a packed int4 weight unpacked and
-scaled per group a ``dequant_int4`` one. The graph is not changed: a site
+scaled per group a ``dequant_int4`` one; a float GEMM of two block-fp8 dequantizations (DeepSeek-V3,
+written by hand) takes both, as ``quant_fp8_per_group`` and ``dequant_fp8_block``. The graph is not changed: a site
 that is not fused keeps its original form, which Inductor knows best.
 """
 
