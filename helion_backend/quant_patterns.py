@@ -261,7 +261,6 @@ class Int4WeightDequant:
 
     packed: fx.Node  # uint8 [N, K/2]
     scales: fx.Node  # [N, K/G], in the weight's dtype
-    group_size: int
     nodes: tuple[fx.Node, ...]  # the dequantization, the dequantized weight last
 
 
@@ -345,7 +344,7 @@ def _int4_chain(weight: fx.Node, dtype: torch.dtype) -> Int4WeightDequant:
     stacked = _reshape_source(convert.args[0], (n, k), "the unpacked nibbles")
     packed, nibble_nodes = _nibbles(stacked, n, k)
     nodes = (*nibble_nodes, stacked, convert.args[0], convert, centered, grouped_view, scale_view, mul, weight)
-    return Int4WeightDequant(packed, scales, group_size, nodes)
+    return Int4WeightDequant(packed, scales, nodes)
 
 
 def _nibbles(stacked: fx.Node, n: int, k: int) -> tuple[fx.Node, tuple[fx.Node, ...]]:
