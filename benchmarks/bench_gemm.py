@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import json
 import math
@@ -100,8 +101,10 @@ TAG_DTYPES = {tag: dtype for dtype, tag in DTYPE_TAGS.items()}
 # Relative Frobenius error allowed against float64: bf16 operands land between 1e-3 and 1e-2.
 TOLERANCES = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-4}
 # Quantized layers against the float64 result of their float weights: the quantization's own error
-# (fp8 per token: ~28 dB SQNR, rel. error ~0.04; int8: ~40 dB; int8 weight-only: ~42 dB), with margin.
-QUANT_TOLERANCES = {"fp8_dynamic": 0.1, "int8_dynamic": 0.04, "int8_weight_only": 0.03}
+# (fp8 per token: ~28 dB SQNR, rel. error ~0.04; int8: ~40 dB; int8 weight-only: ~42 dB; int4 weight-only,
+# groups of 128: ~23 dB, rel. error ~0.07; block fp8: ~0.04), with margin.
+QUANT_TOLERANCES = {"fp8_dynamic": 0.1, "int8_dynamic": 0.04, "int8_weight_only": 0.03, "int4_weight_only": 0.15,
+                    "fp8_block": 0.1}
 
 # Rotating weights. A decode GEMM's bytes are almost all weight (>= 8 MB here) and the H200 has a 50 MB
 # L2: replaying one module back to back would serve the kv weight (8 MB) from L2 and "beat" the HBM
@@ -134,8 +137,8 @@ class GemmCase:
 
     @property
     def weight_bytes(self) -> int:
-        if self.quant:  # one byte a weight, plus the per-channel fp32 scales
-            return self.k * self.n + 4 * self.n
+        if self.quant:
+            return quantized_weight_bytes(self.quant, self.k, self.n, self.dtype)
         return self.k * self.n * self.dtype.itemsize
 
     @property
@@ -219,6 +222,16 @@ def quantized_linear(fmt: str, weight: torch.Tensor, bias: torch.Tensor | None) 
         if bias is not None:
             linear.bias.copy_(bias)
     return QUANT_FORMATS[fmt].from_linear(linear)
+
+
+@functools.cache
+def quantized_weight_bytes(fmt: str, k: int, n: int, dtype: torch.dtype) -> int:
+    """Bytes of the quantized weight and its scales (half a byte a weight for int4), as the layer stores
+    them: its buffers, allocated on the meta device."""
+    from helion_backend.quantize import QUANT_FORMATS
+
+    layer = QUANT_FORMATS[fmt](k, n, bias=False, dtype=dtype, device="meta")
+    return sum(buffer.numel() * buffer.element_size() for buffer in layer.buffers())
 
 
 def weight_copies(case: GemmCase, device: torch.device, max_copies: int) -> int:

@@ -12,8 +12,9 @@ A small fixed candidate list, not Helion's autotuner; ``python -m helion_backend
 shapes a deployment compiled into the user's table instead.
 
 The quantized families run the layers :mod:`helion_backend.quantize` builds (fp8 and int8 with dynamic
-per-token activations, int8 weight-only), checked against the unfused quantized computation and timed
-against ``torch.compile`` default of the same layer.
+per-token activations, int8 and int4 weight-only, block fp8), checked against the unfused quantized
+computation and timed against ``torch.compile`` default of the same layer. The int4 family's K block counts
+packed bytes (two columns of K) and block fp8's is fixed at one group, so they have candidates of their own.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from helion_backend import dispatch
 from helion_backend.kernels import configs
 from helion_backend.kernels.configs import PREQUANTIZE
 from helion_backend.kernels.gemm import gemm_epilogue_helion
-from helion_backend.kernels.quant_gemm import quant_gemm_helion
+from helion_backend.kernels.quant_gemm import block_fp8_gemm_helion, int4_gemm_helion, quant_gemm_helion
 from helion_backend.passes.trace import trace_sites
 from helion_backend.quantize import QUANT_FORMATS
 from helion_backend.timing import copies_to_defeat_l2, time_callable_us
@@ -52,10 +53,12 @@ from helion_backend.tuning import (
     reference_f64,
     table_metadata,
 )
+from helion_backend.vocabulary import FP8_BLOCK, FP8_BLOCK_FAMILY, INT4_FAMILY
 
 STEPS = ("bias", "gelu_tanh")
 # Quantized families: the helion_backend.quantize format whose layers they run.
-QUANT_FAMILIES = {"gemm_fp8": "fp8_dynamic", "gemm_int8": "int8_dynamic", "gemm_weight_only": "int8_weight_only"}
+QUANT_FAMILIES = {"gemm_fp8": "fp8_dynamic", "gemm_int8": "int8_dynamic", "gemm_weight_only": "int8_weight_only",
+                  INT4_FAMILY: "int4_weight_only", FP8_BLOCK_FAMILY: "fp8_block"}
 QUANT_TOLERANCE = 1e-2  # against the unfused quantized computation (40 dB SQNR)
 # (block_m, block_n, block_k, num_warps, num_stages, split_k, indexing). Helion shrinks block_m to M
 # when M is smaller; "tensor_descriptor" loads through TMA where the tensor allows it (Helion falls
@@ -95,6 +98,25 @@ QUANT_CANDIDATES = (
     (16, 64, 128, 4, 4, 1, "pointer"),
     (32, 32, 256, 4, 3, 1, "pointer"),
 )
+# The int4 kernel: K blocks in bytes (128 bytes = 256 columns of K), and each step holds the bytes, their
+# scales and both dequantized nibbles in registers, so shallower blocks than the 16-bit ones.
+INT4_CANDIDATES = (
+    (16, 32, 128, 4, 3, 1, "pointer"),
+    (16, 64, 64, 4, 4, 1, "pointer"),
+    (16, 32, 256, 4, 3, 1, "pointer"),
+    (16, 64, 128, 4, 3, 2, "pointer"),
+    (16, 32, 128, 4, 3, 4, "pointer"),
+    (16, 128, 64, 8, 3, 1, "pointer"),
+    (32, 32, 128, 4, 3, 1, "pointer"),
+    (32, 64, 64, 4, 4, 2, "pointer"),
+)
+# Block fp8: the K block is always one group (FP8_BLOCK), so only the M and N tiles, warps, stages and
+# splits vary.
+BLOCK_FP8_CANDIDATES = tuple(
+    (bm, bn, FP8_BLOCK, w, s, sk, "pointer")
+    for bm, bn, w, s, sk in ((16, 32, 4, 3, 1), (16, 64, 4, 3, 1), (16, 128, 4, 3, 1), (16, 64, 4, 4, 2),
+                             (16, 32, 4, 3, 4), (16, 128, 8, 3, 2), (32, 64, 4, 3, 1), (32, 128, 8, 3, 1))
+)
 # Splits beyond this many CTAs only add partial sums to write and read back.
 MAX_SPLIT_CTAS = 4 * 132
 
@@ -109,6 +131,10 @@ def candidate_configs(m: int, n: int, candidates=CANDIDATES, **extra: object) ->
 
 
 def quant_candidates(kernel: str, m: int, n: int) -> list[helion.Config]:
+    if kernel == INT4_FAMILY:
+        return candidate_configs(m, n, INT4_CANDIDATES)
+    if kernel == FP8_BLOCK_FAMILY:
+        return candidate_configs(m, n, BLOCK_FP8_CANDIDATES)
     candidates = candidate_configs(m, n, QUANT_CANDIDATES)
     if kernel == "gemm_weight_only":  # no activation quantization, so no scales to move
         return candidates
@@ -149,6 +175,48 @@ def sweep_quant_key(kernel: str, k: int, n: int, m: int, device: torch.device) -
     (site,) = trace_sites(layers[0], xs[0])
     program = site.quant_program
     steps = tuple(s.name for s in site.steps if s.name not in ("cast", "reshape")) + ("gelu_tanh",)
+    run, reference = _quant_kernel_call(kernel, layers, xs, steps, program)
+    timer = functools.partial(time_callable_us, config=TIMING, device=device)
+    candidates = quant_candidates(kernel, m, n)
+    best = fastest_valid(candidates, run, reference, timer, QUANT_TOLERANCE)
+    if best is None:
+        return None
+    torch._dynamo.reset()
+    compiled = [torch.compile(lambda x, layer=layer: F.gelu(layer(x), approximate="tanh")) for layer in layers]
+    fallback_us = timer(lambda i: compiled[i % copies](xs[i % copies]))
+    return {"kernel": kernel, "dtype": str(site.dtype).removeprefix("torch."), "k": k, "n": n, "m": m,
+            "config": dict(best.config), "us": round(best.us, 2), "candidates": len(candidates),
+            "fallback_us": round(fallback_us, 2), "helion_wins": best.us < fallback_us}
+
+
+def _quant_kernel_call(kernel: str, layers: list, xs: list, steps: tuple[str, ...], program) -> tuple:
+    """``(run(config, i), reference)``: the family's kernel on copy ``i``, and the unfused result of copy 0."""
+    copies = len(layers)
+    if kernel == INT4_FAMILY:  # the epilogue reads the bias alone; the scales are the prologue's
+
+        def int4_args(i: int) -> tuple:
+            layer = layers[i % copies]
+            return (xs[i % copies], layer.packed.t(), layer.scales, steps, [layer.bias], [], torch.bfloat16)
+
+        def run_int4(config: helion.Config, i: int) -> torch.Tensor:
+            return int4_gemm_helion(*int4_args(i), config=config)
+
+        x, packed_kn, scales, *rest = int4_args(0)
+        w_kn = dispatch.dequantize_int4(packed_kn.t(), scales, x.dtype).t()
+        return run_int4, dispatch.reference(x, w_kn, *rest)
+    if kernel == FP8_BLOCK_FAMILY:  # the epilogue reads the bias alone; both scales are the prologue's
+
+        def block_args(i: int) -> tuple:
+            layer = layers[i % copies]
+            return (xs[i % copies], layer.qweight.t(), layer.weight_scale, steps, [layer.bias], [], torch.bfloat16,
+                    program)
+
+        def run_block(config: helion.Config, i: int) -> torch.Tensor:
+            return block_fp8_gemm_helion(*block_args(i), config=config)
+
+        x, w_kn, scales, steps, operands, scalars, out_dtype, _ = block_args(0)
+        x_dq, w_dq_kn = dispatch.dequantize_block_fp8(x, program, w_kn.t(), scales)
+        return run_block, dispatch.reference(x_dq, w_dq_kn, steps, operands, scalars, out_dtype)
     operands = [[_channel_scale(layer), layer.bias] for layer in layers]
 
     def args(i: int) -> tuple:
@@ -158,17 +226,7 @@ def sweep_quant_key(kernel: str, k: int, n: int, m: int, device: torch.device) -
     def run(config: helion.Config, i: int) -> torch.Tensor:
         return quant_gemm_helion(*args(i), config=config, kernel_family=kernel)
 
-    timer = functools.partial(time_callable_us, config=TIMING, device=device)
-    candidates = quant_candidates(kernel, m, n)
-    best = fastest_valid(candidates, run, dispatch.reference(*args(0)), timer, QUANT_TOLERANCE)
-    if best is None:
-        return None
-    torch._dynamo.reset()
-    compiled = [torch.compile(lambda x, layer=layer: F.gelu(layer(x), approximate="tanh")) for layer in layers]
-    fallback_us = timer(lambda i: compiled[i % copies](xs[i % copies]))
-    return {"kernel": kernel, "dtype": str(site.dtype).removeprefix("torch."), "k": k, "n": n, "m": m,
-            "config": dict(best.config), "us": round(best.us, 2), "candidates": len(candidates),
-            "fallback_us": round(fallback_us, 2), "helion_wins": best.us < fallback_us}
+    return run, dispatch.reference(*args(0))
 
 
 def _quantized_layer(kernel: str, k: int, n: int, device: torch.device) -> torch.nn.Module:

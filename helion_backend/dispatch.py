@@ -14,7 +14,15 @@ import torch
 from . import report
 from .epilogue import apply_epilogue, operand_kinds, parse_epilogue, parse_prologue
 from .quant_program import QuantProgram, parse_program, quantize_rows
-from .vocabulary import DEFAULT_KERNEL_FAMILY, QUANT_DTYPES, Operand
+from .vocabulary import (
+    DEFAULT_KERNEL_FAMILY,
+    FP8_BLOCK,
+    INT4_HIGH_SHIFT,
+    INT4_LOW_MASK,
+    INT4_ZERO_POINT,
+    QUANT_DTYPES,
+    Operand,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +72,7 @@ def run_gemm_epilogue(
     x: torch.Tensor,
     weight: torch.Tensor,
     weight_layout: str,
+    weight_scale: torch.Tensor | None,
     up_weight: torch.Tensor | None,
     up_layout: str,
     prologue: str,
@@ -77,9 +86,12 @@ def run_gemm_epilogue(
     config_dir: str = "",
     site: str = "",
 ) -> torch.Tensor:
-    parse_prologue(prologue)  # validates the step names; what they do is in the program and the dtypes
+    # The step names are validated here; what they do is in the program, the dtypes and ``weight_scale``.
+    prologue_steps = parse_prologue(prologue)
+    int4, block_fp8 = "dequant_int4" in prologue_steps, "dequant_fp8_block" in prologue_steps
     program = parse_program(quant_program) if quant_program else None
     steps = parse_epilogue(epilogue)
+    _check_weight_dequant(prologue_steps, weight_layout, weight_scale, program)
     w_kn = weight_kn(weight, weight_layout)
     up_kn = weight_kn(up_weight, up_layout) if up_weight is not None else None
     flat = flatten_operands(operands, steps, w_kn.shape[1])
@@ -88,7 +100,8 @@ def run_gemm_epilogue(
         from .kernels import run_kernel
 
         try:
-            return run_kernel(kernel, x, w_kn, steps, flat, scalars, out_dtype, config_dir or None, program, up_kn)
+            return run_kernel(kernel, x, w_kn, steps, flat, scalars, out_dtype, config_dir or None, program, up_kn,
+                              weight_scale)
         except Exception as e:  # a kernel that cannot compile or launch must not fail the model
             failure = _describe_failure(e)
             # The failed call's frames hold the output it had allocated, and a log record that keeps the
@@ -96,7 +109,28 @@ def run_gemm_epilogue(
             # that output sits in the graph's memory pool, untracked. Drop their locals.
             _clear_frames(e)
         _fall_back(site, m, failure)
+    if int4:
+        w_kn = dequantize_int4(weight, weight_scale, x.dtype).t()
+    elif block_fp8:
+        x, w_kn = dequantize_block_fp8(x, program, weight, weight_scale)
+        program = None
     return reference(x, w_kn, steps, flat, scalars, out_dtype, program, up_kn)
+
+
+def _check_weight_dequant(prologue: tuple[str, ...], weight_layout: str, weight_scale: torch.Tensor | None,
+                          program: QuantProgram | None) -> None:
+    """``dequant_int4`` and ``dequant_fp8_block`` read their [N, ..] weight's scales (``weight_scale``), block
+    fp8 also its activation's quantization program; no other prologue has a ``weight_scale``."""
+    scaled = "dequant_int4" in prologue or "dequant_fp8_block" in prologue
+    if scaled != (weight_scale is not None):
+        problem = f"{'no' if scaled else 'a'} weight_scale"
+    elif scaled and weight_layout != "nk":
+        problem = f"weight_layout {weight_layout!r} (the scaled weights are [N, ..])"
+    elif "dequant_fp8_block" in prologue and program is None:
+        problem = "no quant_program for the activation's groups"
+    else:
+        return
+    raise ValueError(f"prologue {list(prologue)} with {problem}")
 
 
 def _clear_frames(error: BaseException | None) -> None:
@@ -151,6 +185,30 @@ def gemm_product(x: torch.Tensor, w_kn: torch.Tensor) -> torch.Tensor:
     if x.dtype in QUANT_DTYPES.values():
         return torch.mm(x.to(torch.float32), w_kn.to(torch.float32))
     return torch.mm(x, w_kn.to(x.dtype)).to(torch.float32)
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The [N, K] ``dtype`` weight that ``dequant_int4`` stands for, computed by the graph's own ops in its
+    order (so rounding matches): nibbles low first, converted, minus the zero point, times the scale of
+    each group of K / ``scales.shape[1]`` columns."""
+    n, k = packed.shape[0], 2 * packed.shape[1]
+    groups = scales.shape[1]
+    q = torch.stack([packed & INT4_LOW_MASK, packed >> INT4_HIGH_SHIFT], dim=-1).reshape(n, k)
+    centered = (q.to(dtype) - INT4_ZERO_POINT).reshape(n, groups, k // groups)
+    return (centered * scales.reshape(n, groups, 1)).reshape(n, k)
+
+
+def dequantize_block_fp8(
+    x: torch.Tensor, program: QuantProgram, weight: torch.Tensor, scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_dq [M, K], w_kn [K, N])`` in x's dtype, as the hand-written block fp8 graph computes them: x
+    quantized per 1 x FP8_BLOCK group by ``program`` and dequantized, the fp8 [N, K] ``weight`` scaled per
+    FP8_BLOCK x FP8_BLOCK block by ``scales`` [N/B, K/B], both in fp32 and then rounded to x's dtype."""
+    (m, k), n, b = x.shape, weight.shape[0], FP8_BLOCK
+    quantized, scale = quantize_rows(program, x.reshape(m, k // b, b))
+    x_dq = (quantized.to(torch.float32) * scale).reshape(m, k).to(x.dtype)
+    blocks = weight.to(torch.float32).reshape(n // b, b, k // b, b) * scales.reshape(n // b, 1, k // b, 1)
+    return x_dq, blocks.reshape(n, k).to(x.dtype).t()
 
 
 def weight_kn(weight: torch.Tensor, weight_layout: str) -> torch.Tensor:

@@ -21,6 +21,7 @@ def gemm_epilogue(
     x: torch.Tensor,
     weight: torch.Tensor,
     weight_layout: str,
+    weight_scale: torch.Tensor | None,
     up_weight: torch.Tensor | None,
     up_layout: str,
     prologue: str,
@@ -37,6 +38,9 @@ def gemm_epilogue(
     """``epilogue(prologue(x) @ prologue(weight))`` stored once in ``out_dtype``; x is [M, K], the result [M, N].
 
     ``weight_layout`` is "kn" for a [K, N] weight and "nk" for an nn.Linear [N, K] weight.
+    ``weight_scale`` is what a weight dequantization reads besides the weight (``dequant_int4``: the
+    [N, K/G] group scales, with ``weight`` the packed uint8 [N, K/2] bytes; ``dequant_fp8_block``: the
+    fp32 [N/128, K/128] block scales of the fp8 [N, K] ``weight``); None elsewhere.
     ``up_weight`` (layout ``up_layout``) is a gated MLP's up projection of the same x, which the
     epilogue's ``up_mul`` step multiplies in; None elsewhere.
     ``prologue`` is a comma-joined list of prologue steps (see :mod:`.vocabulary`); an activation
@@ -47,13 +51,13 @@ def gemm_epilogue(
     the site in the report (``graph:anchor``), for the warning if its kernel fails.
     """
     return dispatch.run_gemm_epilogue(
-        x, weight, weight_layout, up_weight, up_layout, prologue, quant_program, operands, scalars, epilogue,
+        x, weight, weight_layout, weight_scale, up_weight, up_layout, prologue, quant_program, operands, scalars, epilogue,
         out_dtype, kernel, max_helion_m, config_dir, site,
     )
 
 
 @gemm_epilogue.register_fake
-def _(x, weight, weight_layout, up_weight, up_layout, prologue, quant_program, operands, scalars, epilogue,
+def _(x, weight, weight_layout, weight_scale, up_weight, up_layout, prologue, quant_program, operands, scalars, epilogue,
       out_dtype, kernel, max_helion_m, config_dir, site):
     n = weight.shape[0] if weight_layout == "nk" else weight.shape[1]
     return x.new_empty((x.shape[0], n), dtype=out_dtype)

@@ -1,5 +1,10 @@
 """Recognizers for quantization prologues in the forms the post-grad graph really has.
 
+A packed int4 weight is found as the exact chain that unpacks, centers and scales it
+(:func:`int4_weight_dequant`); the kernel reads the bytes and the group scales instead. Block fp8 written
+by hand is found as the two dequantizations feeding a float GEMM (:func:`block_fp8_operands`); its
+activation's quantization per group is recorded as a program like the per-token one.
+
 Dynamic per-token activation quantization is found as the region of pointwise ops and one amax over K
 that computes the GEMM's quantized input and its per-token scale from one float tensor. The region is
 recorded op by op as a :class:`~helion_backend.quant_program.QuantProgram`, which the kernel replays
@@ -19,7 +24,14 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .patterns import same_shape, val
 from .quant_program import CONVERT, REDUCE, Instruction, QuantProgram, Value, check_program, ref
-from .vocabulary import QUANT_DTYPES, SUPPORTED_DTYPES, dtype_name
+from .vocabulary import (
+    INT4_HIGH_SHIFT,
+    INT4_LOW_MASK,
+    INT4_ZERO_POINT,
+    QUANT_DTYPES,
+    SUPPORTED_DTYPES,
+    dtype_name,
+)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -43,15 +55,17 @@ class ActivationQuant:
     nodes: tuple[fx.Node, ...]
 
 
-def activation_quant(quantized: fx.Node, scale: fx.Node) -> ActivationQuant | None:
+def activation_quant(quantized: fx.Node, scale: fx.Node, rank: int = 2) -> ActivationQuant | None:
     """The per-token quantization computing ``quantized`` and ``scale`` from one float tensor, or None.
 
     ``quantized`` must be an [M, K] fp8/int8 tensor and ``scale`` the [M, 1] column that rescales the
     GEMM's rows; both must be computed from one [M, K] float tensor x by pointwise ops and a single
-    amax over K, with the scale depending on x only through that amax.
+    amax over K, with the scale depending on x only through that amax. With ``rank=3`` the tensors are
+    [M, K/G, G] and [M, K/G, 1]: a quantization per group of G along K (block fp8), which is the same
+    program run on each [M, G] slice.
     """
     q, s = val(quantized), val(scale)
-    if q is None or s is None or q.dim() != 2 or q.dtype not in QUANT_DTYPES.values():
+    if q is None or s is None or q.dim() != rank or q.dtype not in QUANT_DTYPES.values():
         return None
     if quantized.target is not prims.convert_element_type.default:
         return None
@@ -151,12 +165,12 @@ def _program(x: fx.Node, nodes: list[fx.Node], quantized: fx.Node, scale: fx.Nod
     refs: dict[fx.Node, str] = {x: ref(0)}
     instructions: list[Instruction] = []
     reductions: list[tuple[fx.Node, fx.Node]] = []  # (reduction's result, its input)
-    m = val(x).shape[0]
+    rows = val(x).shape[:-1]  # [M], or [M, K/G] for a quantization per group
     for node in nodes:
         if node.target is aten.max.dim:
             continue  # read through its getitem
         out = val(node)
-        if out is None or out.dim() != 2 or not statically_known_true(out.shape[0] == m):
+        if out is None or not same_shape(out.shape[:-1], rows):
             return None
         ins = _instruction(node, refs)
         if ins is None:
@@ -169,7 +183,7 @@ def _program(x: fx.Node, nodes: list[fx.Node], quantized: fx.Node, scale: fx.Nod
         return None
     amax, reduced = reductions[0]
     reduced_val = val(reduced)
-    if not same_shape(reduced_val.shape, val(x).shape) or not statically_known_true(val(amax).shape[1] == 1):
+    if not same_shape(reduced_val.shape, val(x).shape) or not statically_known_true(val(amax).shape[-1] == 1):
         return None
     if not same_shape(val(scale).shape, val(amax).shape):
         return None
@@ -222,11 +236,260 @@ def _instruction(node: fx.Node, refs: dict[fx.Node, str]) -> Instruction | None:
 
 def _reduces_last_dim(node: fx.Node, dim=None, keepdim=False, *rest) -> bool:
     source = val(node.args[0])
-    if source is None or source.dim() != 2:
+    if source is None or source.dim() < 2:
         return False
     dims = [dim] if isinstance(dim, int) else list(dim or [])
     keepdim = node.kwargs.get("keepdim", keepdim)
-    return keepdim is True and len(dims) == 1 and dims[0] in (-1, 1)
+    return keepdim is True and len(dims) == 1 and dims[0] in (-1, source.dim() - 1)
 
 
 _INVALID = object()
+
+
+# --------------------------------------------------------------------------------------------------
+# Packed int4 weights, dequantized in the forward (helion_backend.quantize.Int4WeightOnlyLinear)
+
+_RESHAPES = frozenset({aten.reshape.default, aten.view.default, aten._unsafe_view.default})
+_RIGHT_SHIFTS = frozenset({aten.__rshift__.Scalar, aten.bitwise_right_shift.Tensor_Scalar})
+_BITWISE = frozenset({aten.bitwise_and.Scalar, *_RIGHT_SHIFTS})
+_LAST_OF_3 = (-1, 2)  # the last dimension of a 3-D tensor, as the graph may spell it
+
+
+@dataclass(frozen=True)
+class Int4WeightDequant:
+    """An [N, K] weight computed from packed int4 bytes and group scales: the tensors, and the chain."""
+
+    packed: fx.Node  # uint8 [N, K/2]
+    scales: fx.Node  # [N, K/G], in the weight's dtype
+    nodes: tuple[fx.Node, ...]  # the dequantization, the dequantized weight last
+
+
+def int4_weight_dequant(weight: fx.Node, dtype: torch.dtype) -> Int4WeightDequant | str | None:
+    """The int4 dequantization that computes the [N, K] ``weight`` in ``dtype``; a string saying which
+    part differs when ``weight`` is unpacked from uint8 bytes in some other way; None when it is not.
+
+    Only the documented format is taken: ``q = stack([p & 15, p >> 4], -1).reshape(N, K)`` (low nibble
+    first), ``((q.to(dtype) - 8).reshape(N, K/G, G) * s.reshape(N, K/G, 1)).reshape(N, K)`` with an even
+    G. Anything else (another nibble order or zero point, a subtraction before the conversion, where
+    uint8 would wrap around, scales broadcast another way) would compute another weight in the kernel.
+    """
+    if not _unpacks_bytes(weight):
+        return None
+    try:
+        return _int4_chain(weight, dtype)
+    except _NotTheFormat as e:
+        return str(e)
+
+
+class _NotTheFormat(Exception):
+    """A dequantization chain differs from the one format a kernel computes (the message says where)."""
+
+
+def _expect(condition: bool, what: str) -> None:
+    if not condition:
+        raise _NotTheFormat(what)
+
+
+def _unpacks_bytes(weight: fx.Node) -> bool:
+    """Whether ``weight`` is computed (within a few ops) by a bitwise op on a uint8 tensor."""
+    seen, todo = set(), [weight]
+    while todo and len(seen) <= _MAX_REGION_NODES:
+        node = todo.pop()
+        if node in seen or node.op != "call_function":
+            continue
+        seen.add(node)
+        source = val(node.args[0]) if node.args and isinstance(node.args[0], fx.Node) else None
+        if node.target in _BITWISE and source is not None and source.dtype == torch.uint8:
+            return True
+        todo.extend(node.all_input_nodes)
+    return False
+
+
+def _reshape_source(node: fx.Node, shape: tuple, what: str) -> fx.Node:
+    """The input of ``node``, a reshape to ``shape`` (a row-major view, so the element order is kept)."""
+    _expect(node.op == "call_function" and node.target in _RESHAPES and val(node) is not None,
+            f"{what} is not a reshape")
+    _expect(same_shape(val(node).shape, shape), f"{what} has shape {tuple(val(node).shape)}, not {shape}")
+    return node.args[0]
+
+
+def _int4_chain(weight: fx.Node, dtype: torch.dtype) -> Int4WeightDequant:
+    w = val(weight)
+    _expect(w is not None and w.dim() == 2 and w.dtype == dtype, "the weight is not a 2-D tensor in the GEMM's dtype")
+    n, k = w.shape
+    mul = _reshape_source(weight, (n, k), "the dequantized weight")
+    _expect(mul.target is aten.mul.Tensor and not mul.kwargs and len(mul.all_input_nodes) == 2,
+            "the weight is not a product of grouped values and scales")
+    grouped_view, scale_view = mul.args
+    if val(grouped_view) is not None and val(grouped_view).shape[-1] == 1:  # s * q: the same product
+        grouped_view, scale_view = scale_view, grouped_view
+    grouped_val = val(grouped_view)
+    _expect(grouped_val is not None and grouped_val.dim() == 3, "the grouped values are not 3-D")
+    groups, group_size = grouped_val.shape[1:]
+    _expect(isinstance(groups, int) and isinstance(group_size, int) and groups * group_size == k,
+            "the groups do not split K")
+    _expect(group_size % 2 == 0, f"group size {group_size} is odd (a byte's two columns would span two groups)")
+    _expect(val(mul).dtype == dtype, "the product is not in the GEMM's dtype")
+    centered = _reshape_source(grouped_view, (n, groups, group_size), "the grouped values")
+    scales = _reshape_source(scale_view, (n, groups, 1), "the scales")
+    scales_val = val(scales)
+    _expect(scales_val is not None and scales_val.dtype == dtype and same_shape(scales_val.shape, (n, groups)),
+            f"the scales are not an [N, K/G] = [{n}, {groups}] tensor in {dtype_name(dtype)}")
+    _expect(centered.target is aten.sub.Tensor and centered.kwargs.get("alpha", 1) == 1
+            and len(centered.args) == 2 and _is_number(centered.args[1], INT4_ZERO_POINT),
+            f"the values are not centered by subtracting the zero point {INT4_ZERO_POINT}")
+    convert = centered.args[0]
+    _expect(convert.target is prims.convert_element_type.default and convert.args[1] == dtype,
+            "the zero point is not subtracted after converting the nibbles to the GEMM's dtype")
+    stacked = _reshape_source(convert.args[0], (n, k), "the unpacked nibbles")
+    packed, nibble_nodes = _nibbles(stacked, n, k)
+    nodes = (*nibble_nodes, stacked, convert.args[0], convert, centered, grouped_view, scale_view, mul, weight)
+    return Int4WeightDequant(packed, scales, nodes)
+
+
+def _nibbles(stacked: fx.Node, n: int, k: int) -> tuple[fx.Node, tuple[fx.Node, ...]]:
+    """``cat([unsqueeze(p & 15), unsqueeze(p >> 4)], -1)`` of one uint8 [N, K/2] p: p and the nodes."""
+    _expect(stacked.target is aten.cat.default and len(stacked.args[0]) == 2
+            and all(isinstance(part, fx.Node) for part in stacked.args[0])
+            and (stacked.args[1] if len(stacked.args) > 1 else 0) in _LAST_OF_3,
+            "the nibbles are not stacked along a new last dimension")
+    low, high = (_unsqueezed(part) for part in stacked.args[0])
+    _expect(low.target is aten.bitwise_and.Scalar and low.args[1] == INT4_LOW_MASK,
+            f"the first nibble is not the low one (p & {INT4_LOW_MASK})")
+    packed = low.args[0]
+    high_nodes = [high]
+    if high.target is aten.bitwise_and.Scalar and high.args[1] == INT4_LOW_MASK:  # (p >> 4) & 15: the same
+        high = high.args[0]
+        high_nodes.append(high)
+    _expect(high.target in _RIGHT_SHIFTS and high.args[1] == INT4_HIGH_SHIFT and high.args[0] is packed,
+            f"the second nibble is not the high one of the same bytes (p >> {INT4_HIGH_SHIFT})")
+    p = val(packed)
+    _expect(p is not None and p.dtype == torch.uint8 and same_shape(p.shape, (n, k // 2)),
+            f"the packed bytes are not a uint8 [N, K/2] = [{n}, {k // 2}] tensor")
+    return packed, (low, *high_nodes, *stacked.args[0])
+
+
+def _unsqueezed(node: fx.Node) -> fx.Node:
+    _expect(node.op == "call_function" and node.target is aten.unsqueeze.default and node.args[1] in _LAST_OF_3,
+            "a nibble is not unsqueezed along the last dimension")
+    return node.args[0]
+
+
+def _is_number(value: object, expected: float) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value == expected
+
+
+# --------------------------------------------------------------------------------------------------
+# Block fp8 (DeepSeek-V3), written by hand (helion_backend.quantize.BlockFp8Linear): the activation
+# quantized per 1 x B group along K and dequantized, the fp8 weight dequantized per B x B block.
+
+
+@dataclass(frozen=True)
+class BlockFp8Operands:
+    """The tensors a block-fp8 GEMM reads instead of its two dequantized operands, and those chains."""
+
+    x: fx.Node  # the float activation [M, K], before its quantization per group
+    program: QuantProgram  # the quantization of one [M, B] group (the graph's own ops)
+    weight: fx.Node  # fp8 [N, K]
+    weight_scale: fx.Node  # fp32 [N/B, K/B]
+    activation_nodes: tuple[fx.Node, ...]
+    weight_nodes: tuple[fx.Node, ...]
+
+
+def block_fp8_operands(x_dq: fx.Node, w_dq: fx.Node, dtype: torch.dtype, block: int) -> BlockFp8Operands | str | None:
+    """The block-fp8 quantization behind the GEMM's ``x_dq`` [M, K] and ``w_dq`` [N, K] (both in ``dtype``),
+    a string saying what differs when both are dequantized from fp8 in another way, or None when they are not.
+
+    Taken only as written by hand: ``x_dq = (q.float() * s).reshape(M, K).to(dtype)`` where ``(q, s)`` is a
+    per-group quantization of ``x.reshape(M, K/B, B)`` (any form :func:`activation_quant` takes), and
+    ``w_dq = (wq.float().reshape(N/B, B, K/B, B) * ws.reshape(N/B, 1, K/B, 1)).reshape(N, K).to(dtype)``.
+    """
+    if not (_dequantizes_fp8(x_dq) and _dequantizes_fp8(w_dq)):
+        return None
+    try:
+        x, program, activation_nodes = _block_fp8_activation(x_dq, dtype, block)
+        weight, weight_scale, weight_nodes = _block_fp8_weight(w_dq, dtype, block)
+    except _NotTheFormat as e:
+        return str(e)
+    return BlockFp8Operands(x, program, weight, weight_scale, activation_nodes, weight_nodes)
+
+
+def _dequantizes_fp8(node: fx.Node) -> bool:
+    """Whether ``node`` is computed (within a few ops) from an fp8 tensor converted to a float dtype."""
+    seen, todo = set(), [node]
+    while todo and len(seen) <= 8:  # breadth first: the convert is a few ops up, the scale's chain longer
+        node = todo.pop(0)
+        if node in seen or node.op != "call_function":
+            continue
+        seen.add(node)
+        if node.target is prims.convert_element_type.default:
+            source = val(node.args[0])
+            if source is not None and source.dtype == torch.float8_e4m3fn:
+                return True
+        todo.extend(node.all_input_nodes)
+    return False
+
+
+def _cast_to(node: fx.Node, dtype: torch.dtype, what: str) -> fx.Node:
+    """``node``'s fp32 source when ``node`` converts it to ``dtype``; ``node`` itself in an fp32 model."""
+    if dtype == torch.float32 and val(node).dtype == torch.float32:
+        return node
+    _expect(node.target is prims.convert_element_type.default and node.args[1] == dtype,
+            f"{what} is not converted to the GEMM's dtype")
+    _expect(val(node.args[0]) is not None and val(node.args[0]).dtype == torch.float32, f"{what} is not fp32")
+    return node.args[0]
+
+
+def _product(node: fx.Node, what: str) -> tuple[fx.Node, fx.Node]:
+    _expect(node.target is aten.mul.Tensor and not node.kwargs and len(node.all_input_nodes) == 2,
+            f"{what} is not a product of values and scales")
+    return node.args[0], node.args[1]
+
+
+def _block_fp8_activation(x_dq: fx.Node, dtype: torch.dtype, block: int) -> tuple[fx.Node, QuantProgram, tuple]:
+    m, k = val(x_dq).shape
+    _expect(isinstance(k, int) and k % block == 0, f"K={k} is not a multiple of the block {block}")
+    flat = _cast_to(x_dq, dtype, "the dequantized activation")
+    product = _reshape_source(flat, (m, k), "the activation")
+    values, scale = _product(product, "the dequantized activation")
+    if val(values) is not None and val(values).shape[-1] == 1:  # s * q: the same product
+        values, scale = scale, values
+    _expect(values.target is prims.convert_element_type.default and values.args[1] == torch.float32,
+            "the quantized activation is not converted to fp32 before its scale")
+    quantized = values.args[0]
+    scale_val = val(scale)
+    _expect(scale_val is not None and scale_val.dtype == torch.float32
+            and same_shape(scale_val.shape, (m, k // block, 1)), f"the activation scale is not fp32 [M, K/{block}, 1]")
+    q = val(quantized)
+    _expect(q is not None and q.dtype == torch.float8_e4m3fn and same_shape(q.shape, (m, k // block, block)),
+            f"the activation is not quantized to fp8 in groups of {block} along K")
+    found = activation_quant(quantized, scale, rank=3)
+    _expect(found is not None, f"the quantization is not a per-group ({block}) one of the activation alone (it "
+            "reads other tensors, e.g. constants lifted to inputs by dynamic=True, or ops outside the vocabulary)")
+    x = _reshape_source(found.x, (m, k // block, block), "the grouped activation")
+    x_val = val(x)
+    _expect(x_val is not None and x_val.dtype == dtype and same_shape(x_val.shape, (m, k)),
+            "the quantized activation is not the GEMM's [M, K] activation in its dtype")
+    return x, found.program, (found.x, *found.nodes, values, product, *dict.fromkeys([flat, x_dq]))
+
+
+def _block_fp8_weight(w_dq: fx.Node, dtype: torch.dtype, block: int) -> tuple[fx.Node, fx.Node, tuple]:
+    n, k = val(w_dq).shape
+    _expect(isinstance(n, int) and n % block == 0, f"N={n} is not a multiple of the block {block}")
+    blocks = (n // block, block, k // block, block)
+    flat = _cast_to(w_dq, dtype, "the dequantized weight")
+    product = _reshape_source(flat, (n, k), "the weight")
+    values, scale_view = _product(product, "the dequantized weight")
+    if val(values) is not None and val(values).shape[-1] == 1:
+        values, scale_view = scale_view, values
+    converted = _reshape_source(values, blocks, "the weight blocks")
+    scale = _reshape_source(scale_view, (n // block, 1, k // block, 1), "the weight block scales")
+    _expect(converted.target is prims.convert_element_type.default and converted.args[1] == torch.float32,
+            "the fp8 weight is not converted to fp32 before its scale")
+    weight, weight_val, scale_val = converted.args[0], val(converted.args[0]), val(scale)
+    _expect(weight_val is not None and weight_val.dtype == torch.float8_e4m3fn and same_shape(weight_val.shape, (n, k)),
+            "the weight is not an fp8 [N, K] tensor")
+    _expect(scale_val is not None and scale_val.dtype == torch.float32
+            and same_shape(scale_val.shape, (n // block, k // block)),
+            f"the weight scales are not an fp32 [N/{block}, K/{block}] tensor")
+    return weight, scale, (converted, values, scale_view, product, *dict.fromkeys([flat, w_dq]))

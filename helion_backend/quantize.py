@@ -23,9 +23,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+# DeepSeek-V3 blocks: activation groups of 1x128 along K, weight blocks of 128x128.
+from .vocabulary import FP8_BLOCK
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
-FP8_BLOCK = 128  # DeepSeek-V3 blocks: activation groups of 1x128 along K, weight blocks of 128x128
 INT_MM_MIN_M = 17  # cuBLAS' int8 GEMM behind torch._int_mm needs more than 16 rows on CUDA
 
 

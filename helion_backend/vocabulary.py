@@ -70,12 +70,26 @@ ACTIVATION_QUANT_STEPS: dict[torch.dtype, str] = {
     torch.float8_e4m3fn: "quant_fp8_per_token",
     torch.int8: "quant_int8_per_token",
 }
+# The packed int4 weight format that ``dequant_int4`` reads (helion_backend.quantize.Int4WeightOnlyLinear):
+# uint8 [N, K/2], byte j of a row holding column 2j in its low nibble and 2j + 1 in its high nibble,
+# values 0..15 standing for q - INT4_ZERO_POINT, and a [N, K/G] scale per group of G columns.
+INT4_ZERO_POINT = 8
+INT4_LOW_MASK, INT4_HIGH_SHIFT = 15, 4  # p & 15 is the low nibble, p >> 4 the high one
+# Block fp8 (DeepSeek-V3): the activation quantized per 1 x FP8_BLOCK group along K, the weight scaled per
+# FP8_BLOCK x FP8_BLOCK block.
+FP8_BLOCK = 128
 PROLOGUE_STEPS: dict[str, StepKind] = {
     step.name: step
     for step in (
         *(StepKind(name, Operand.NONE, f"quantize the activation to {dtype_name(dtype)} with a dynamic "
                    "per-token scale (amax over K)") for dtype, name in ACTIVATION_QUANT_STEPS.items()),
         StepKind("dequant_int8", Operand.NONE, "convert an int8 weight to the activation's dtype"),
+        StepKind("dequant_int4", Operand.NONE, "unpack an int4 weight stored two per byte (low nibble first), "
+                 f"subtract the zero point {INT4_ZERO_POINT} and multiply by its scale per group along K"),
+        StepKind("quant_fp8_per_group", Operand.NONE, f"quantize the activation to float8_e4m3fn with a dynamic "
+                 f"scale per 1 x {FP8_BLOCK} group along K (amax over the group)"),
+        StepKind("dequant_fp8_block", Operand.NONE, f"scale a float8_e4m3fn weight per {FP8_BLOCK} x {FP8_BLOCK} "
+                 "block"),
     )
 }
 
@@ -120,6 +134,10 @@ class KernelFamily:
     needs_steps: tuple[str, ...] = ()  # epilogue steps every site of the family has (the gated MLP's up_mul)
 
 
+# The packed int4 weight-only family (its configs count the K block in bytes, see kernels/configs.py).
+INT4_FAMILY = "gemm_int4"
+# The block fp8 family (its K block is always FP8_BLOCK: one activation group, one weight block).
+FP8_BLOCK_FAMILY = "gemm_fp8_block"
 # Kernel families a rule may name; the kernels package registers an implementation for each.
 KERNEL_FAMILIES: dict[str, KernelFamily] = {
     family.name: family
@@ -128,6 +146,9 @@ KERNEL_FAMILIES: dict[str, KernelFamily] = {
         KernelFamily("gemm_fp8", ("float8_e4m3fn",), (ACTIVATION_QUANT_STEPS[torch.float8_e4m3fn],)),
         KernelFamily("gemm_int8", ("int8",), (ACTIVATION_QUANT_STEPS[torch.int8],)),
         KernelFamily("gemm_weight_only", tuple(SUPPORTED_DTYPES), ("dequant_int8",), needs_prologue=True),
+        KernelFamily(INT4_FAMILY, tuple(SUPPORTED_DTYPES), ("dequant_int4",), needs_prologue=True),
+        KernelFamily(FP8_BLOCK_FAMILY, tuple(SUPPORTED_DTYPES), ("quant_fp8_per_group", "dequant_fp8_block"),
+                     needs_prologue=True),
         KernelFamily("gemm_glu", tuple(SUPPORTED_DTYPES), needs_steps=("up_mul",)),
     )
 }

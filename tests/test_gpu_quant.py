@@ -22,9 +22,11 @@ from helion_backend.quantize import quantize
 pytestmark = pytest.mark.gpu
 
 K, N = 1024, 768
-FAMILIES = {"fp8_dynamic": "gemm_fp8", "int8_dynamic": "gemm_int8", "int8_weight_only": "gemm_weight_only"}
+FAMILIES = {"fp8_dynamic": "gemm_fp8", "int8_dynamic": "gemm_int8", "int8_weight_only": "gemm_weight_only",
+            "int4_weight_only": "gemm_int4", "fp8_block": "gemm_fp8_block"}
 PROLOGUES = {"fp8_dynamic": ["quant_fp8_per_token"], "int8_dynamic": ["quant_int8_per_token"],
-             "int8_weight_only": ["dequant_int8"]}
+             "int8_weight_only": ["dequant_int8"], "int4_weight_only": ["dequant_int4"],
+             "fp8_block": ["quant_fp8_per_group", "dequant_fp8_block"]}
 
 
 class Block(nn.Module):
@@ -95,6 +97,54 @@ def test_quant_kernel_split_k(qdtype, split_k, prequantize):
     assert sqnr_db(reference(x, module.qweight.t(), steps, operands, [], torch.bfloat16, program), out) >= 40
 
 
+@pytest.mark.parametrize("split_k", [1, 2, 4])
+@pytest.mark.parametrize("block_k", [64, 128, 256])
+@pytest.mark.parametrize("group_size", [128, 32])
+def test_int4_kernel_blocks_groups_and_split_k(group_size, block_k, split_k):
+    """The int4 kernel against the graph's dequantization: K blocks (in bytes) smaller and larger than a
+    group, and split-K partial sums finished by the epilogue pass."""
+    import helion
+
+    from helion_backend.dispatch import dequantize_int4, reference
+    from helion_backend.kernels.quant_gemm import int4_gemm_helion
+    from helion_backend.quantize import Int4WeightOnlyLinear
+
+    torch.manual_seed(2)
+    linear = nn.Linear(4096, 512).to(device="cuda", dtype=torch.bfloat16)
+    layer = Int4WeightOnlyLinear.from_linear(linear, group_size=group_size)
+    x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+    steps, operands = ("bias", "silu"), [layer.bias]
+    config = helion.Config(block_sizes=[16, 32, block_k], num_warps=4, num_stages=3, split_k=split_k)
+    out = int4_gemm_helion(x, layer.packed.t(), layer.scales, steps, operands, [], torch.bfloat16, config=config)
+    w_kn = dequantize_int4(layer.packed, layer.scales, torch.bfloat16).t()
+    assert sqnr_db(reference(x, w_kn, steps, operands, [], torch.bfloat16), out) >= 40
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 4])
+@pytest.mark.parametrize("block_mn", [(16, 32), (16, 128), (32, 64)])
+def test_block_fp8_kernel_blocks_and_split_k(block_mn, split_k):
+    """The block fp8 kernel against the graph's dequantize-then-multiply: N tiles narrower and wider than
+    a weight block, and split-K (each split rescales its own blocks before the finishing pass)."""
+    import helion
+
+    from helion_backend.dispatch import dequantize_block_fp8, reference
+    from helion_backend.kernels.quant_gemm import block_fp8_gemm_helion
+    from helion_backend.quantize import BlockFp8Linear
+
+    torch.manual_seed(3)
+    linear = nn.Linear(4096, 512).to(device="cuda", dtype=torch.bfloat16)
+    layer = BlockFp8Linear.from_linear(linear)
+    program = _program_of(layer)
+    x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+    x[:, :128] *= 100  # groups of very different scales
+    steps, operands = ("bias", "silu"), [layer.bias]
+    config = helion.Config(block_sizes=list(block_mn), num_warps=4, num_stages=3, split_k=split_k)
+    out = block_fp8_gemm_helion(x, layer.qweight.t(), layer.weight_scale, steps, operands, [], torch.bfloat16,
+                                program, config=config)
+    x_dq, w_kn = dequantize_block_fp8(x, program, layer.qweight, layer.weight_scale)
+    assert sqnr_db(reference(x_dq, w_kn, steps, operands, [], torch.bfloat16), out) >= 40
+
+
 def _program_of(module: nn.Module):
     """The program the matcher records for ``module``'s activation quantization."""
     from helion_backend.passes.trace import trace_sites
@@ -107,7 +157,7 @@ def _program_of(module: nn.Module):
 def test_zero_rows_and_saturation_behave_as_the_unfused_graph():
     """All-zero rows take the clamped scale (no NaN); huge values saturate to the format's max."""
     reference = float_block()
-    for fmt in ("fp8_dynamic", "int8_dynamic"):
+    for fmt in ("fp8_dynamic", "int8_dynamic", "fp8_block"):
         eager = quantize(copy.deepcopy(reference), fmt)
         compiled = torch.compile(copy.deepcopy(eager), backend="helion_inductor")
         x = torch.randn(4, K, device="cuda", dtype=torch.bfloat16)

@@ -110,7 +110,7 @@ def run(m, k, n, dtype, layout, steps, split_k, out_dtype=None, scalars=None, co
     return out, float64_reference(x, w_kn, steps, operands, scalars)
 
 
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 ALL_INTERPRETABLE = ("bias", "relu", "scale", "residual", "mul", "silu", "scale", "sigmoid")
 
 
@@ -278,3 +278,73 @@ def test_a_step_of_another_kernel_family_is_refused():
     x, w_kn = torch.randn(4, 64), torch.randn(64, 32)
     with pytest.raises(ValueError, match="'up_mul' runs only in the gemm_glu kernel, not in gemm"):
         gemm_epilogue_helion(x, w_kn, ("silu", "up_mul"), [], [], torch.float32)
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_int4_weight_only_kernel_dequantizes_as_the_graph(dtype, split_k):
+    """Packed bytes and group scales read in the K loop; the reference dequantizes with the graph's ops.
+    K = 600 in groups of 40 spans several partial K blocks (of 32 bytes), each crossing group borders.
+    float16, not bfloat16: the interpreter's bfloat16 arithmetic works on raw bit patterns (the
+    dequantization is elementwise math in the activation's dtype; test_gpu_quant.py runs bfloat16)."""
+    import torch.nn as nn
+
+    from helion_backend.dispatch import dequantize_int4, reference
+    from helion_backend.kernels.quant_gemm import int4_gemm_helion
+    from helion_backend.quantize import Int4WeightOnlyLinear
+
+    torch.manual_seed(split_k)
+    layer = Int4WeightOnlyLinear.from_linear(nn.Linear(600, 40).to(dtype), group_size=40)
+    x = torch.randn(5, 600, dtype=dtype)
+    steps, operands = ("bias", "silu"), [layer.bias]
+    config = helion.Config(block_sizes=BLOCKS, num_warps=4, num_stages=1, split_k=split_k)
+    out = int4_gemm_helion(x, layer.packed.t(), layer.scales, steps, operands, [], dtype, config=config)
+    w_kn = dequantize_int4(layer.packed, layer.scales, dtype).t()
+    assert rel_err(out, reference(x, w_kn, steps, operands, [], torch.float64)) <= TOLERANCE[dtype]
+    assert rel_err(out, torch.nn.functional.silu(layer(x).double())) <= TOLERANCE[dtype]
+
+
+def test_int4_kernel_refuses_scales_that_do_not_fit():
+    from helion_backend.kernels.quant_gemm import int4_gemm_helion
+
+    x, packed = torch.randn(2, 64), torch.zeros(32, 8, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="even group size"):
+        int4_gemm_helion(x, packed, torch.ones(8, 3), (), [], [], torch.float32)
+    with pytest.raises(ValueError, match="scales in x's dtype"):
+        int4_gemm_helion(x, packed, torch.ones(8, 2, dtype=torch.bfloat16), (), [], [], torch.float32)
+
+
+def fp8_exact_activation(m: int, k: int, group: int) -> torch.Tensor:
+    """An activation whose quantization per group is exact: fp8 values, each group's amax 448, times a
+    power-of-two scale per group. The interpreter's float -> fp8 conversion does not round as CUDA's
+    does (the GPU tests cover that); on these values it has nothing to round."""
+    values = (torch.randn(m, k) * 50).clamp(-440, 440).to(torch.float8_e4m3fn).float()
+    values[:, ::group] = 448.0
+    exponents = torch.randint(-6, 3, (m, k // group)).float()
+    return (values.reshape(m, k // group, group) * torch.exp2(exponents)[..., None]).reshape(m, k)
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_block_fp8_kernel_scales_each_block_product(split_k):
+    """Per-group activation scales and per-block weight scales applied to each 128-wide block's fp8
+    product; K = 640 gives five groups (split-K: 512 + 128), N = 256 two weight blocks along N."""
+    import torch.nn as nn
+
+    from helion_backend.dispatch import dequantize_block_fp8, reference
+    from helion_backend.kernels.quant_gemm import block_fp8_gemm_helion
+    from helion_backend.passes.trace import trace_sites
+    from helion_backend.quantize import FP8_BLOCK, BlockFp8Linear
+
+    torch.manual_seed(split_k)
+    layer = BlockFp8Linear.from_linear(nn.Linear(640, 256))
+    x = fp8_exact_activation(5, 640, FP8_BLOCK)
+    (site,) = trace_sites(layer, x)
+    assert site.prologue[0].name == "quant_fp8_per_group", site.prologue
+    steps, operands = ("bias", "relu"), [layer.bias]
+    config = helion.Config(block_sizes=[16, 32], num_warps=4, num_stages=1, split_k=split_k)
+    out = block_fp8_gemm_helion(x, layer.qweight.t(), layer.weight_scale, steps, operands, [], torch.float32,
+                                site.quant_program, config=config)
+    x_dq, w_kn = dequantize_block_fp8(x, site.quant_program, layer.qweight, layer.weight_scale)
+    assert torch.equal(x_dq, x)  # the activation was chosen so that its quantization is exact
+    assert rel_err(out, reference(x_dq, w_kn, steps, operands, [], torch.float64)) <= 1e-5
+    assert rel_err(out, torch.relu(layer(x)).double()) <= 1e-5

@@ -20,13 +20,23 @@ import torch.nn.functional as F
 from helpers import CPU_REWRITE, compile_run, sites, sqnr_db
 
 import helion_backend
-from helion_backend.quantize import Fp8DynamicLinear, Int8DynamicLinear, quantize
+from helion_backend.dispatch import dequantize_int4
+from helion_backend.quantize import (
+    FP8_BLOCK,
+    BlockFp8Linear,
+    Fp8DynamicLinear,
+    Int4WeightOnlyLinear,
+    Int8DynamicLinear,
+    quantize,
+)
 from helion_backend.rules import RuleError, load_rule_file
 
 FP8, FP8_MAX = torch.float8_e4m3fn, 448.0
 PROLOGUE = {"fp8_dynamic": ["quant_fp8_per_token"], "int8_dynamic": ["quant_int8_per_token"],
-            "int8_weight_only": ["dequant_int8"]}
-KERNEL = {"fp8_dynamic": "gemm_fp8", "int8_dynamic": "gemm_int8", "int8_weight_only": "gemm_weight_only"}
+            "int8_weight_only": ["dequant_int8"], "int4_weight_only": ["dequant_int4"],
+            "fp8_block": ["quant_fp8_per_group", "dequant_fp8_block"]}
+KERNEL = {"fp8_dynamic": "gemm_fp8", "int8_dynamic": "gemm_int8", "int8_weight_only": "gemm_weight_only",
+          "int4_weight_only": "gemm_int4", "fp8_block": "gemm_fp8_block"}
 
 
 class Block(nn.Module):
@@ -171,12 +181,12 @@ def test_rule_files_pair_kernel_families_with_their_dtypes_and_prologues(tmp_pat
     assert f"{path}:{line}:" in str(info.value) and message in str(info.value), str(info.value)
 
 
-@pytest.mark.parametrize("fmt", ["fp8_dynamic", "int8_dynamic"])
+@pytest.mark.parametrize("fmt", ["fp8_dynamic", "int8_dynamic", "fp8_block"])
 def test_zero_rows_saturation_and_nan_behave_as_the_unfused_graph(fmt):
     """All-zero rows take the clamped scale; values far past the format's range saturate; a NaN row
     stays NaN (and only that row)."""
     torch.manual_seed(7)
-    layer = quantize(nn.Linear(256, 64), fmt)
+    layer = quantize(nn.Linear(256, FP8_BLOCK if fmt == "fp8_block" else 64), fmt)  # block fp8: N % 128 == 0
     x = torch.randn(5, 256)
     x[1] = 0
     x[2, :5] = 1e30
@@ -319,4 +329,125 @@ def test_dynamic_token_count(fmt):
         if dynamic is None:
             assert [site.prologue for site in found] == [PROLOGUE[fmt]], found
         for site in found:
-            assert site.prologue == PROLOGUE[fmt] or any("not a per-token one" in n for n in site.notes), site
+            assert site.prologue == PROLOGUE[fmt] or any("of the activation alone" in n for n in site.notes), site
+
+
+# --------------------------------------------------------------------------------------------------
+# Packed int4 weights: only the documented dequantization is a prologue.
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_int4_reference_dequantizes_exactly_as_the_layer(dtype):
+    """The reference's dequantization is the layer's own, bit for bit (the rounding of the scale
+    product included), for a group size that is not a power of two."""
+    torch.manual_seed(10)
+    layer = Int4WeightOnlyLinear.from_linear(nn.Linear(240, 32).to(dtype), group_size=48)
+    n, k, g = 32, 240, 48
+    q = torch.stack([layer.packed & 15, layer.packed >> 4], dim=-1).reshape(n, k)
+    expected = ((q.to(dtype) - 8).reshape(n, k // g, g) * layer.scales.reshape(n, k // g, 1)).reshape(n, k)
+    assert torch.equal(dequantize_int4(layer.packed, layer.scales, dtype), expected)
+
+
+class _Int4Variant(Int4WeightOnlyLinear):
+    """The int4 layer with its dequantization written another way (``variant``): a different weight."""
+
+    variant = "documented"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, k, g = self.out_features, self.in_features, self.group_size
+        low, high = self.packed & 15, self.packed >> 4
+        zero = 7 if self.variant == "zero_point_7" else 8
+        pair = [high, low] if self.variant == "high_nibble_first" else [low, high]
+        q = torch.stack(pair, dim=-1).reshape(n, k)
+        centered = (q - zero).to(x.dtype) if self.variant == "sub_before_convert" else q.to(x.dtype) - zero
+        if self.variant == "groups_across_rows":  # the scales of a row's groups laid out column-major
+            scales = self.scales.t().reshape(n, k // g, 1)
+        else:
+            scales = self.scales.reshape(n, k // g, 1)
+        w = (centered.reshape(n, k // g, g) * scales).reshape(n, k)
+        return F.linear(x, w, self.bias)
+
+
+@pytest.mark.parametrize("variant", ["documented", "zero_point_7", "high_nibble_first", "sub_before_convert",
+                                     "groups_across_rows"])
+def test_int4_near_misses_stay_unfused_with_a_note(variant):
+    """Another zero point, nibble order or scale layout, or a subtraction in uint8 (which wraps around)
+    computes another weight: the GEMM is fused without the dequantization, which Inductor keeps, and the
+    report says what differs. The documented form (the control) takes the prologue."""
+    torch.manual_seed(11)
+    layer = _Int4Variant.from_linear(nn.Linear(256, 64), group_size=64)
+    layer.variant = variant
+    x = torch.randn(3, 256)
+    with torch.no_grad():
+        out, reports = compile_run(layer, x)
+        expected = layer(x)
+    (site,) = sites(reports)
+    if variant == "documented":
+        assert (site.prologue, site.kernel, site.notes) == (["dequant_int4"], "gemm_int4", []), site
+    else:
+        assert site.prologue == [] and site.kernel == "gemm", site
+        assert any("not as packed int4" in note for note in site.notes), site.notes
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_int4_packed_bytes_shared_with_another_reader_still_fuse():
+    """The dequantization is pure: the kernel reads the bytes, Inductor still computes the other reader."""
+    torch.manual_seed(12)
+    layer = Int4WeightOnlyLinear.from_linear(nn.Linear(256, 64), group_size=32)
+
+    def fn(x):
+        return layer(x), layer.packed.float().sum()
+
+    x = torch.randn(2, 256)
+    with torch.no_grad():
+        (out, total), reports = compile_run(fn, x)
+        expected_out, expected_total = fn(x)
+    (site,) = sites(reports)
+    assert site.prologue == ["dequant_int4"], site
+    torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
+    assert total == expected_total
+
+
+# --------------------------------------------------------------------------------------------------
+# Block fp8 written by hand: both dequantizations, exactly so, or neither.
+
+
+class _BlockFp8Variant(BlockFp8Linear):
+    """The block fp8 layer with one of its dequantizations written another way (``variant``)."""
+
+    variant = "documented"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, k = self.out_features, self.in_features
+        group = FP8_BLOCK // 2 if self.variant == "activation_groups_of_64" else FP8_BLOCK
+        xg = x.reshape(-1, k // group, group)
+        scale = (xg.abs().amax(dim=-1, keepdim=True).float() / 448.0).clamp(min=1e-12)
+        xq = (xg.float() / scale).clamp(-448.0, 448.0).to(FP8)
+        if self.variant == "activation_dequantized_in_model_dtype":  # rounds q * s once more, in bf16
+            x_dq = (xq.to(x.dtype) * scale.to(x.dtype)).reshape(-1, k)
+        else:
+            x_dq = (xq.float() * scale).reshape(-1, k).to(x.dtype)
+        b = FP8_BLOCK
+        w_dq = (self.qweight.float().reshape(n // b, b, k // b, b)
+                * self.weight_scale.reshape(n // b, 1, k // b, 1)).reshape(n, k).to(x.dtype)
+        return F.linear(x_dq, w_dq, self.bias)
+
+
+@pytest.mark.parametrize("variant", ["documented", "activation_groups_of_64", "activation_dequantized_in_model_dtype"])
+def test_block_fp8_near_misses_stay_unfused_with_a_note(variant):
+    """Activation groups of 64, or a dequantization rounded in bf16, are not the format the kernel
+    computes: the GEMM fuses as a float one and the report says what differs."""
+    torch.manual_seed(13)
+    layer = _BlockFp8Variant.from_linear(nn.Linear(256, 128).to(torch.bfloat16))
+    layer.variant = variant
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        out, reports = compile_run(layer, x)
+        expected = layer(x)
+    (site,) = sites(reports)
+    if variant == "documented":
+        assert (site.prologue, site.kernel, site.notes) == (PROLOGUE["fp8_block"], "gemm_fp8_block", []), site
+    else:
+        assert site.prologue == [] and site.kernel == "gemm", site
+        assert any("not as block fp8" in note for note in site.notes), site.notes
+    assert sqnr_db(expected, out) >= 40

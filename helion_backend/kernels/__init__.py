@@ -8,13 +8,15 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..quant_program import QuantProgram
-from ..vocabulary import KERNEL_FAMILIES
+from ..vocabulary import FP8_BLOCK_FAMILY, INT4_FAMILY, KERNEL_FAMILIES
 from .gemm import gemm_epilogue_helion, glu_gemm_helion
-from .quant_gemm import quant_gemm_helion
+from .quant_gemm import block_fp8_gemm_helion, int4_gemm_helion, quant_gemm_helion
 
 KERNELS: dict[str, Callable[..., torch.Tensor]] = {
     "gemm": gemm_epilogue_helion,
     "gemm_glu": glu_gemm_helion,
+    INT4_FAMILY: int4_gemm_helion,
+    FP8_BLOCK_FAMILY: block_fp8_gemm_helion,
     **{family: functools.partial(quant_gemm_helion, kernel_family=family)
        for family in ("gemm_fp8", "gemm_int8", "gemm_weight_only")},
 }
@@ -32,10 +34,16 @@ def run_kernel(
     config_dir: str | None = None,
     program: QuantProgram | None = None,
     up_kn: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run the ``kernel`` family's Helion implementation with the config tables' pick for the shape
     (user-tuned ones in ``config_dir`` first); ``program`` is a fused activation quantization, ``up_kn``
-    a gated MLP's up projection."""
+    a gated MLP's up projection, ``weight_scale`` the scales of a dequantized ``w_kn`` (packed int4's
+    group scales, block fp8's block scales; block fp8 also has its activation's ``program``)."""
+    if weight_scale is not None:
+        extra = () if program is None else (program,)
+        return KERNELS[kernel](x, w_kn, weight_scale, steps, operands, scalars, out_dtype, *extra,
+                               config_dir=config_dir)
     if up_kn is not None:
         return KERNELS[kernel](x, w_kn, up_kn, steps, operands, scalars, out_dtype, config_dir=config_dir)
     if program is not None:
@@ -43,4 +51,5 @@ def run_kernel(
     return KERNELS[kernel](x, w_kn, steps, operands, scalars, out_dtype, config_dir=config_dir)
 
 
-__all__ = ["KERNELS", "gemm_epilogue_helion", "glu_gemm_helion", "quant_gemm_helion", "run_kernel"]
+__all__ = ["KERNELS", "block_fp8_gemm_helion", "gemm_epilogue_helion", "glu_gemm_helion", "int4_gemm_helion",
+           "quant_gemm_helion", "run_kernel"]

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import helion
 import torch
 
-from ..vocabulary import DEFAULT_KERNEL_FAMILY, dtype_name
+from ..vocabulary import DEFAULT_KERNEL_FAMILY, INT4_FAMILY, dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +61,8 @@ def _split_k(m_tiles: int, n_tiles: int, k: int) -> int:
 
 
 @functools.cache  # called on every kernel launch without an explicit config
-def default_config(m: int, k: int, n: int, dtype: torch.dtype) -> helion.Config:
-    """A config for :func:`helion_backend.kernels.gemm.gemm_kernel` at this shape; never autotuned."""
+def default_config(m: int, k: int, n: int, dtype: torch.dtype, kernel: str = DEFAULT_KERNEL_FAMILY) -> helion.Config:
+    """A config for the ``kernel`` family's GEMM at this shape; never autotuned."""
     # fp32 tiles take twice the shared memory of 16-bit ones: halve the K block to keep the stages
     # (fp8/int8 GEMMs keep the 16-bit block: the quantized kernel stages its activation in 16 bits).
     k_scale = 2 if dtype == torch.float32 else 1
@@ -73,6 +73,8 @@ def default_config(m: int, k: int, n: int, dtype: torch.dtype) -> helion.Config:
         block_m, block_n, block_k, num_warps, num_stages = 64, 128, 64 // k_scale, 4, 4
     else:
         block_m, block_n, block_k, num_warps, num_stages = 128, 128, 64 // k_scale, 8, 3
+    if kernel == INT4_FAMILY:
+        block_k = _int4_block_k(block_k)
     # Every fp8/int8 key of the H200 sweep ran fastest with the activation quantized once, up front.
     extra = {PREQUANTIZE: True} if dtype in _QUANTIZED_INPUTS else {}
     return helion.Config(
@@ -82,6 +84,13 @@ def default_config(m: int, k: int, n: int, dtype: torch.dtype) -> helion.Config:
         split_k=_split_k(_cdiv(m, block_m), _cdiv(n, block_n), k),
         **extra,
     )
+
+
+def _int4_block_k(block_k: int) -> int:
+    """The int4 kernel's K block for a 16-bit one: it counts packed bytes (two columns of K each), and every
+    step holds four [block_k, block_n] tiles in registers (bytes, their group scales, two dequantized
+    nibbles), so a quarter of the 16-bit depth, and 128 columns of K at the least."""
+    return max(64, block_k // 4)
 
 
 def gpu_key(device: torch.device) -> str:
@@ -157,7 +166,7 @@ def config_for(
     next process)."""
     entries = _entries(k, n, dtype, device, user_dir, kernel)
     if not entries:
-        return default_config(m, k, n, dtype)
+        return default_config(m, k, n, dtype, kernel)
     for entry in entries:
         if entry.m >= m:
             return entry.config

@@ -17,6 +17,10 @@ rows and their scales), and the GEMM then multiplies the quantized rows as they 
 ``lowp_gemm_kernel`` multiplies inputs as they come: fp8 x fp8 or int8 x int8 (already quantized), or a
 float activation with an int8 weight converted block by block (weight-only).
 
+``int4_gemm_kernel`` reads a packed int4 weight (two columns of K per byte) and its group scales, and
+dequantizes each block in registers exactly as the graph did (nibble, minus the zero point, times the
+scale, rounded to the activation's dtype) before the tensor cores multiply it in that dtype.
+
 Split-K works as in :mod:`.gemm`: each split stores its fp32 partial sums (already rescaled by the
 per-token scale, which distributes over the sum) and :func:`.gemm.epilogue_kernel` finishes.
 """
@@ -33,7 +37,16 @@ from helion.autotuner import PowerOfTwoFragment
 
 from .. import quant_program as program_module
 from ..quant_program import QuantProgram
-from ..vocabulary import QUANT_DTYPES, SUPPORTED_DTYPES
+from ..vocabulary import (
+    FP8_BLOCK,
+    FP8_BLOCK_FAMILY,
+    INT4_FAMILY,
+    INT4_HIGH_SHIFT,
+    INT4_LOW_MASK,
+    INT4_ZERO_POINT,
+    QUANT_DTYPES,
+    SUPPORTED_DTYPES,
+)
 from .configs import EPILOGUE_CONFIG, PREQUANTIZE, config_for
 from .gemm import (
     Layout,
@@ -128,6 +141,85 @@ def lowp_gemm_kernel(
         for tile_k in hl.tile(tile_split.begin, tile_split.end):
             acc = hl.dot(x[tile_m, tile_k], w[tile_k, tile_n].to(x.dtype), acc=acc)
         result = acc.to(torch.float32)
+        if split_k == 1:
+            result = epilogue(result, operands, scalars, tile_m, tile_n)
+        out[tile_split.id, tile_m, tile_n] = result.to(out.dtype)
+
+
+@helion.kernel(static_shapes=True, autotune_effort="none", dot_precision="ieee")
+def int4_gemm_kernel(
+    x_even: torch.Tensor,
+    x_odd: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    out: torch.Tensor,
+    operands: list[torch.Tensor],
+    scalars: list[float],
+    epilogue: Callable[..., torch.Tensor],
+) -> None:
+    """``out[0] = epilogue(x @ dequant(packed, scales))`` with ``split_k == 1``; else ``out[i]`` = split i's part.
+
+    ``packed`` is [K/2, N] bytes: row j holds the weights of x's columns 2j (low nibble, met by
+    ``x_even``) and 2j + 1 (high nibble, ``x_odd``), so the K loop runs over bytes (the K block counts
+    bytes) and each step makes two dots of half the depth, with no interleaving in registers. ``scales``
+    is [K/G, N]; each byte row reads the scale of its group, which holds both its columns (G is even).
+    """
+    m, k_bytes = x_even.size()
+    n = packed.size(1)
+    group_bytes = k_bytes // scales.size(0)
+    split_k = hl.register_tunable("split_k", PowerOfTwoFragment(1, 64, 1))
+    k_per_split = helion.cdiv(helion.cdiv(k_bytes, split_k), 256) * 256
+    for tile_m, tile_n, tile_split in hl.tile([m, n, k_bytes], block_size=[None, None, k_per_split]):
+        acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
+        for tile_k in hl.tile(tile_split.begin, tile_split.end):
+            pair = packed[tile_k, tile_n]
+            scale = scales[tile_k.index // group_bytes, tile_n]
+            low = ((pair & INT4_LOW_MASK).to(x_even.dtype) - INT4_ZERO_POINT) * scale
+            high = ((pair >> INT4_HIGH_SHIFT).to(x_even.dtype) - INT4_ZERO_POINT) * scale
+            acc = hl.dot(x_even[tile_m, tile_k], low, acc=acc)
+            acc = hl.dot(x_odd[tile_m, tile_k], high, acc=acc)
+        result = acc
+        if split_k == 1:
+            result = epilogue(result, operands, scalars, tile_m, tile_n)
+        out[tile_split.id, tile_m, tile_n] = result.to(out.dtype)
+
+
+@helion.kernel(static_shapes=True, autotune_effort="none")
+def block_fp8_gemm_kernel(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    out: torch.Tensor,
+    operands: list[torch.Tensor],
+    scalars: list[float],
+    reduced: Callable[[torch.Tensor], torch.Tensor],
+    scale_of: Callable[[torch.Tensor], torch.Tensor],
+    quantize: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    epilogue: Callable[..., torch.Tensor],
+) -> None:
+    """Block fp8: ``out[0] = epilogue(sum_kb (q(x_kb) @ w_kb) * sa[:, kb] * sb[kb, nb])`` with ``split_k == 1``.
+
+    The K block is one group (FP8_BLOCK columns): each step quantizes its [block_m, B] slice of the float
+    activation as the program says (amax over the group, scale, fp8), multiplies it by the fp8 weight
+    block in fp8 (fp32 result), and scales the product by the group's per-row scale and the weight
+    block's scale of each column (``w_scale`` is [K/B, N/B]) before adding it to the fp32 accumulator.
+    """
+    m, k = x.size()
+    n = w.size(1)
+    block_m = hl.register_block_size(m)
+    block_n = hl.register_block_size(n)
+    split_k = hl.register_tunable("split_k", PowerOfTwoFragment(1, 64, 1))
+    k_per_split = helion.cdiv(helion.cdiv(k, split_k), 256) * 256
+    for tile_m, tile_n, tile_split in hl.tile([m, n, k], block_size=[block_m, block_n, k_per_split]):
+        acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
+        for tile_k in hl.tile(tile_split.begin, tile_split.end, block_size=FP8_BLOCK):
+            x_block = x[tile_m, tile_k]
+            amax = torch.amax(reduced(x_block).to(torch.float32), dim=1, keepdim=True)
+            scale = scale_of(amax)
+            product = hl.dot(quantize(x_block, amax, scale), w[tile_k, tile_n], out_dtype=torch.float32)
+            block_scale = w_scale[tile_k.begin // FP8_BLOCK, tile_n.index // FP8_BLOCK]
+            acc = acc + product * scale.to(torch.float32) * block_scale[None, :]
+        result = acc
         if split_k == 1:
             result = epilogue(result, operands, scalars, tile_m, tile_n)
         out[tile_split.id, tile_m, tile_n] = result.to(out.dtype)
@@ -237,3 +329,121 @@ def _check_inputs(x: torch.Tensor, w_kn: torch.Tensor, program: QuantProgram | N
     weight_only = program is None and x.dtype in SUPPORTED_DTYPES.values() and w_kn.dtype == torch.int8
     if quantized != w_kn.dtype and not weight_only:
         raise ValueError(f"cannot multiply a {quantized} activation by a {w_kn.dtype} weight")
+
+
+def int4_gemm_helion(
+    x: torch.Tensor,
+    packed_kn: torch.Tensor,
+    group_scales: torch.Tensor,
+    steps: tuple[str, ...],
+    operands: Sequence[torch.Tensor],
+    scalars: Sequence[float],
+    out_dtype: torch.dtype,
+    config: helion.Config | None = None,
+    config_dir: str | None = None,
+) -> torch.Tensor:
+    """``epilogue(x @ w)`` for the int4 weight ``w`` [K, N] that ``packed_kn`` (the [K/2, N] view of the packed
+    [N, K/2] bytes) and ``group_scales`` ([N, K/G], in x's dtype) stand for, as a contiguous [M, N]
+    ``out_dtype`` tensor. The config's K block counts bytes (two columns of K)."""
+    steps, operands, scalars = tuple(steps), list(operands), [float(s) for s in scalars]
+    _check_int4_inputs(x, packed_kn, group_scales)
+    sig = Signature(
+        Layout.of(x), Layout.of(packed_kn), tuple(map(Layout.of, operands)), len(scalars), steps, out_dtype
+    )
+    check_operands(sig)
+    check_family_steps(steps, INT4_FAMILY)
+    (m, k), n = x.shape, packed_kn.shape[1]
+    if config is None:
+        config = config_for(m, k, n, x.dtype, x.device, config_dir, INT4_FAMILY)
+    epilogue = tile_epilogue(steps)
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    split_k = config.get("split_k", 1)
+    target = out.unsqueeze(0) if split_k == 1 else torch.empty(
+        (num_k_splits(k // 2, split_k), m, n), dtype=torch.float32, device=x.device
+    )
+    scales_kn = group_scales.t()
+    args = (x[:, 0::2], x[:, 1::2], packed_kn, scales_kn, target, operands, scalars, epilogue)
+    compiled_kernel(int4_gemm_kernel, args, (sig, Layout.of(scales_kn)), config, target.shape[0])(*args)
+    if split_k == 1:
+        return out
+    finish_args = (target, out, operands, scalars, epilogue)
+    compiled_kernel(epilogue_kernel, finish_args, sig, EPILOGUE_CONFIG, target.shape[0])(*finish_args)
+    return out
+
+
+def _check_int4_inputs(x: torch.Tensor, packed_kn: torch.Tensor, group_scales: torch.Tensor) -> None:
+    if x.dim() != 2 or packed_kn.dim() != 2 or group_scales.dim() != 2:
+        raise ValueError(f"expected x [M, K], packed_kn [K/2, N] and group_scales [N, K/G], got {tuple(x.shape)}, "
+                         f"{tuple(packed_kn.shape)} and {tuple(group_scales.shape)}")
+    k, (k_bytes, n), (scale_n, groups) = x.shape[1], packed_kn.shape, group_scales.shape
+    if x.dtype not in SUPPORTED_DTYPES.values() or group_scales.dtype != x.dtype or packed_kn.dtype != torch.uint8:
+        raise ValueError(f"expected a float x, uint8 bytes and scales in x's dtype, got {x.dtype}, "
+                         f"{packed_kn.dtype} and {group_scales.dtype}")
+    if k != 2 * k_bytes or scale_n != n or groups == 0 or k % groups or (k // groups) % 2:
+        raise ValueError(f"x [M, K] = {tuple(x.shape)} does not fit packed_kn [K/2, N] = {tuple(packed_kn.shape)} "
+                         f"and group_scales [N, K/G] = {tuple(group_scales.shape)} with an even group size G")
+
+
+def block_fp8_gemm_helion(
+    x: torch.Tensor,
+    w_kn: torch.Tensor,
+    block_scales: torch.Tensor,
+    steps: tuple[str, ...],
+    operands: Sequence[torch.Tensor],
+    scalars: Sequence[float],
+    out_dtype: torch.dtype,
+    program: QuantProgram,
+    config: helion.Config | None = None,
+    config_dir: str | None = None,
+) -> torch.Tensor:
+    """``epilogue(x @ w)`` for block fp8, as a contiguous [M, N] ``out_dtype`` tensor: the float activation
+    ``x`` [M, K] quantized per 1 x B group by ``program`` in the kernel, the fp8 weight ``w_kn`` [K, N]
+    (a view of the [N, K] one) with ``block_scales`` [N/B, K/B]. The config's K block is ignored: it is B."""
+    steps, operands, scalars = tuple(steps), list(operands), [float(s) for s in scalars]
+    _check_block_fp8_inputs(x, w_kn, block_scales, program)
+    sig = Signature(Layout.of(x), Layout.of(w_kn), tuple(map(Layout.of, operands)), len(scalars), steps, out_dtype)
+    check_operands(sig)
+    check_family_steps(steps, FP8_BLOCK_FAMILY)
+    (m, k), n = x.shape, w_kn.shape[1]
+    if config is None:
+        config = config_for(m, k, n, x.dtype, x.device, config_dir, FP8_BLOCK_FAMILY)
+    config = _block_k_of_one_group(config)
+    epilogue = tile_epilogue(steps)
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    split_k = config.get("split_k", 1)
+    target = out.unsqueeze(0) if split_k == 1 else torch.empty(
+        (num_k_splits(k, split_k), m, n), dtype=torch.float32, device=x.device
+    )
+    scales_kn = block_scales.t()
+    args = (x, w_kn, scales_kn, target, operands, scalars, *program_functions(program), epilogue)
+    key = (sig, Layout.of(scales_kn), program)
+    compiled_kernel(block_fp8_gemm_kernel, args, key, config, target.shape[0])(*args)
+    if split_k == 1:
+        return out
+    finish_args = (target, out, operands, scalars, epilogue)
+    compiled_kernel(epilogue_kernel, finish_args, sig, EPILOGUE_CONFIG, target.shape[0])(*finish_args)
+    return out
+
+
+@functools.cache  # on every launch
+def _block_k_of_one_group(config: helion.Config) -> helion.Config:
+    """``config`` with its K block dropped: the kernel's K loop has a fixed block of one group, so Helion
+    takes only the M and N block sizes (and ``prequantize``, ours, has no meaning here)."""
+    block_sizes = config.get("block_sizes", [])
+    rest = {key: value for key, value in config.items() if key not in ("block_sizes", PREQUANTIZE)}
+    return helion.Config(block_sizes=list(block_sizes[:2]), **rest)
+
+
+def _check_block_fp8_inputs(x: torch.Tensor, w_kn: torch.Tensor, block_scales: torch.Tensor,
+                            program: QuantProgram) -> None:
+    if x.dim() != 2 or w_kn.dim() != 2 or x.shape[1] != w_kn.shape[0]:
+        raise ValueError(f"expected x [M, K] and w_kn [K, N], got {tuple(x.shape)} and {tuple(w_kn.shape)}")
+    (k, n), b = w_kn.shape, FP8_BLOCK
+    if k % b or n % b or tuple(block_scales.shape) != (n // b, k // b):
+        raise ValueError(f"block fp8 needs K and N multiples of {b} and scales [N/{b}, K/{b}]; got w_kn "
+                         f"{tuple(w_kn.shape)} and scales {tuple(block_scales.shape)}")
+    if w_kn.dtype != torch.float8_e4m3fn or program.quant_dtype != torch.float8_e4m3fn:
+        raise ValueError(f"block fp8 multiplies float8_e4m3fn operands, got a {w_kn.dtype} weight and a "
+                         f"{program.quant_dtype} activation quantization")
+    if x.dtype not in SUPPORTED_DTYPES.values() or block_scales.dtype != torch.float32:
+        raise ValueError(f"expected a float activation and fp32 block scales, got {x.dtype} and {block_scales.dtype}")

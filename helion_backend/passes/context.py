@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Union
 import torch
 import torch.fx as fx
 
+from ..vocabulary import ACTIVATION_QUANT_STEPS
+
 if TYPE_CHECKING:
     from ..options import BackendOptions
     from ..quant_program import QuantProgram
@@ -57,6 +59,9 @@ class GemmSite:
     # Fused prologue steps, and for an activation quantization its program (x is then the float input).
     prologue: list[Step] = field(default_factory=list)
     quant_program: QuantProgram | None = None
+    # The scales a weight dequantization reads besides the weight (dequant_int4: [N, K/G] group scales;
+    # dequant_fp8_block: [N/128, K/128] block scales).
+    weight_scale: fx.Node | None = None
     # A gated MLP's up projection, multiplied in by the ``up_mul`` step: its weight as stored, and layout.
     up_weight: fx.Node | None = None
     up_layout: str = "nk"
@@ -86,6 +91,11 @@ class GemmSite:
                     value = [originals.get(id(step), step) for step in self.chain]
                 setattr(self, name, value)
         self.prologue, self.quant_program, self.undo_prologue = [], None, []
+
+    @property
+    def quantizes_per_token(self) -> bool:
+        """Whether the prologue quantizes the activation per token (its scale is then the ``act_scale`` step)."""
+        return any(step.name in ACTIVATION_QUANT_STEPS.values() for step in self.prologue)
 
     @property
     def steps(self) -> list[Step]:

@@ -80,7 +80,7 @@ def choose_rule(site: GemmSite, rules: Sequence[Rule]) -> None:
     best: tuple[tuple[int, int], Rule, int] | None = None
     objections = []
     prologue = [s.name for s in site.prologue]
-    if prologue and "act_scale" not in names and site.quant_program is not None:
+    if prologue and "act_scale" not in names and site.quantizes_per_token:
         objections.append(f"prologue [{', '.join(prologue)}]: its scale step is not in the fused epilogue")
         rules = ()
     for rule in rules:
@@ -127,7 +127,7 @@ def _check(rule: Rule, site: GemmSite, names: list[str]) -> tuple[str | None, in
     if accepted is None or accepted < leading:
         got = ", ".join(names) or "none"
         return f"epilogue [{got}] does not fit [{', '.join(map(str, rule.epilogue))}]", 0
-    if site.quant_program is not None and accepted <= names.index("act_scale"):
+    if site.quantizes_per_token and accepted <= names.index("act_scale"):
         # The kernel rescales by the activation's scale right after the GEMM: the site must reach that step.
         return "its fused epilogue would stop before act_scale", 0
     return None, accepted

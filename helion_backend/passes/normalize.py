@@ -5,7 +5,9 @@
 ``F.linear`` puts in front of a 3-D activation, all become a :class:`GemmSite` with the activation, the
 weight as stored plus its layout, and what the anchor itself applies after the multiply (addmm's
 bias; _scaled_mm's scales and bias) as leading epilogue steps. An int8 weight converted to the
-activation's dtype on its way in is a ``dequant_int8`` prologue. The graph is not changed: a site
+activation's dtype on its way in is a ``dequant_int8`` prologue, a packed int4 weight unpacked and
+scaled per group a ``dequant_int4`` one; a float GEMM of two block-fp8 dequantizations (DeepSeek-V3,
+written by hand) takes both, as ``quant_fp8_per_group`` and ``dequant_fp8_block``. The graph is not changed: a site
 that is not fused keeps its original form, which Inductor knows best.
 """
 
@@ -16,7 +18,8 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..patterns import operand_kind, same_shape, val
-from ..vocabulary import ANCHOR_OPS, SUPPORTED_DTYPES, Anchor, Operand
+from ..quant_patterns import BlockFp8Operands, Int4WeightDequant, block_fp8_operands, int4_weight_dequant
+from ..vocabulary import ANCHOR_OPS, FP8_BLOCK, SUPPORTED_DTYPES, Anchor, Operand
 from .context import GemmSite, PassContext, Step
 
 aten = torch.ops.aten
@@ -77,6 +80,8 @@ def _describe(node: fx.Node) -> GemmSite | str:
         return leading
     site.leading_steps = leading + ([Step("unpad", [unpad], transparent=True)] if unpad is not None else [])
     _fuse_weight_dequant(site)
+    _fuse_int4_dequant(site)
+    _fuse_block_fp8(site)
     return site
 
 
@@ -173,6 +178,40 @@ def _fuse_weight_dequant(site: GemmSite) -> None:
         return
     layout = "nk" if "nk" in (inner_layout, site.weight_layout) else "kn"
     site.fuse_prologue(Step("dequant_int8", [convert]), weight=source, weight_layout=layout)
+
+
+def _fuse_int4_dequant(site: GemmSite) -> None:
+    """An nn.Linear weight dequantized from packed int4 bytes and group scales: the kernel reads those.
+
+    A weight unpacked from bytes in any other way stays as the graph computes it, with a note saying
+    what differs from the one format the kernel knows.
+    """
+    if site.prologue or site.weight_layout != "nk":
+        return
+    found = int4_weight_dequant(site.weight, site.dtype)
+    if isinstance(found, Int4WeightDequant):
+        site.fuse_prologue(Step("dequant_int4", list(found.nodes)), weight=found.packed, weight_scale=found.scales)
+    elif found is not None:
+        site.notes.append(f"the weight is unpacked from uint8 bytes but not as packed int4 with group scales "
+                          f"(dequant_int4): {found}; the GEMM reads the weight as the graph computes it")
+
+
+def _fuse_block_fp8(site: GemmSite) -> None:
+    """A float GEMM of an activation and a weight both dequantized from block fp8 (the hand-written
+    DeepSeek-V3 form): the kernel reads the float activation and the fp8 weight with its block scales,
+    quantizes each 1 x 128 group itself and multiplies in fp8. Both prologues or neither."""
+    if site.prologue or site.weight_layout != "nk":
+        return
+    found = block_fp8_operands(site.x, site.weight, site.dtype, FP8_BLOCK)
+    if isinstance(found, BlockFp8Operands):
+        site.fuse_prologue(Step("quant_fp8_per_group", list(found.activation_nodes)), x=found.x,
+                           quant_program=found.program)
+        site.fuse_prologue(Step("dequant_fp8_block", list(found.weight_nodes)), weight=found.weight,
+                           weight_scale=found.weight_scale)
+    elif found is not None:
+        site.notes.append(f"the operands are dequantized from fp8 but not as block fp8 ({FP8_BLOCK} x {FP8_BLOCK} "
+                          f"weight blocks, 1 x {FP8_BLOCK} activation groups): {found}; the GEMM reads them as the "
+                          "graph computes them")
 
 
 def _see_through_transpose(rhs: fx.Node) -> tuple[fx.Node, str]:

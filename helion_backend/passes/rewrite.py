@@ -69,6 +69,7 @@ def _replace(graph: fx.Graph, site: GemmSite, config_dir: str, name: str, replac
         site.x,
         site.weight,
         site.weight_layout,
+        site.weight_scale,
         site.up_weight,
         site.up_layout,
         format_steps([s.name for s in site.prologue]),
