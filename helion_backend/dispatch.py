@@ -13,8 +13,9 @@ import torch
 
 from . import report
 from .epilogue import apply_epilogue, operand_kinds, parse_epilogue, parse_prologue
+from .norm import RmsNormSpec, parse_spec, rms_norm
 from .quant_program import QuantProgram, parse_program, quantize_rows
-from .vocabulary import DEFAULT_KERNEL_FAMILY, QUANT_DTYPES, Operand
+from .vocabulary import DEFAULT_KERNEL_FAMILY, QUANT_DTYPES, RMSNORM, Operand
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +77,12 @@ def run_gemm_epilogue(
     max_helion_m: int,
     config_dir: str = "",
     site: str = "",
+    norm_weight: torch.Tensor | None = None,
+    norm_spec: str = "",
 ) -> torch.Tensor:
     parse_prologue(prologue)  # validates the step names; what they do is in the program and the dtypes
     program = parse_program(quant_program) if quant_program else None
+    norm = _norm(prologue, norm_weight, norm_spec)
     steps = parse_epilogue(epilogue)
     w_kn = weight_kn(weight, weight_layout)
     up_kn = weight_kn(up_weight, up_layout) if up_weight is not None else None
@@ -88,7 +92,8 @@ def run_gemm_epilogue(
         from .kernels import run_kernel
 
         try:
-            return run_kernel(kernel, x, w_kn, steps, flat, scalars, out_dtype, config_dir or None, program, up_kn)
+            return run_kernel(kernel, x, w_kn, steps, flat, scalars, out_dtype, config_dir or None, program, up_kn,
+                              norm)
         except Exception as e:  # a kernel that cannot compile or launch must not fail the model
             failure = _describe_failure(e)
             # The failed call's frames hold the output it had allocated, and a log record that keeps the
@@ -96,7 +101,20 @@ def run_gemm_epilogue(
             # that output sits in the graph's memory pool, untracked. Drop their locals.
             _clear_frames(e)
         _fall_back(site, m, failure)
+    if norm is not None:
+        x = rms_norm(x, *norm)
     return reference(x, w_kn, steps, flat, scalars, out_dtype, program, up_kn)
+
+
+def _norm(prologue: str, weight: torch.Tensor | None, spec: str) -> tuple[torch.Tensor, RmsNormSpec] | None:
+    """The fused RMSNorm's weight and spec; refuses a norm weight without the ``rmsnorm`` step and the
+    other way round, since either would silently skip or misapply the normalization."""
+    has_step = RMSNORM in parse_prologue(prologue)
+    if has_step != (weight is not None) or has_step != bool(spec):
+        raise ValueError(f"the {RMSNORM} prologue step needs norm_weight and norm_spec, and they need it "
+                         f"(prologue {prologue!r}, norm_weight {'given' if weight is not None else 'None'}, "
+                         f"norm_spec {spec!r})")
+    return (weight, parse_spec(spec)) if has_step else None
 
 
 def _clear_frames(error: BaseException | None) -> None:

@@ -70,12 +70,16 @@ ACTIVATION_QUANT_STEPS: dict[torch.dtype, str] = {
     torch.float8_e4m3fn: "quant_fp8_per_token",
     torch.int8: "quant_int8_per_token",
 }
+# RMSNorm feeding a float GEMM: the kernel reads the un-normalized activation and the norm's weight.
+RMSNORM = "rmsnorm"
 PROLOGUE_STEPS: dict[str, StepKind] = {
     step.name: step
     for step in (
         *(StepKind(name, Operand.NONE, f"quantize the activation to {dtype_name(dtype)} with a dynamic "
                    "per-token scale (amax over K)") for dtype, name in ACTIVATION_QUANT_STEPS.items()),
         StepKind("dequant_int8", Operand.NONE, "convert an int8 weight to the activation's dtype"),
+        StepKind(RMSNORM, Operand.NONE, "RMS-normalize each row of the activation over K in float32 and "
+                 "scale it by the norm's weight [K] (the norm's eps and dtype round trips as the graph has them)"),
     )
 }
 
@@ -124,7 +128,7 @@ class KernelFamily:
 KERNEL_FAMILIES: dict[str, KernelFamily] = {
     family.name: family
     for family in (
-        KernelFamily("gemm", tuple(SUPPORTED_DTYPES)),
+        KernelFamily("gemm", tuple(SUPPORTED_DTYPES), (RMSNORM,)),
         KernelFamily("gemm_fp8", ("float8_e4m3fn",), (ACTIVATION_QUANT_STEPS[torch.float8_e4m3fn],)),
         KernelFamily("gemm_int8", ("int8",), (ACTIVATION_QUANT_STEPS[torch.int8],)),
         KernelFamily("gemm_weight_only", tuple(SUPPORTED_DTYPES), ("dequant_int8",), needs_prologue=True),

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..norm import RmsNormSpec
 from ..quant_program import QuantProgram
 from ..vocabulary import KERNEL_FAMILIES
 from .gemm import gemm_epilogue_helion, glu_gemm_helion
@@ -32,10 +33,13 @@ def run_kernel(
     config_dir: str | None = None,
     program: QuantProgram | None = None,
     up_kn: torch.Tensor | None = None,
+    norm: tuple[torch.Tensor, RmsNormSpec] | None = None,
 ) -> torch.Tensor:
     """Run the ``kernel`` family's Helion implementation with the config tables' pick for the shape
     (user-tuned ones in ``config_dir`` first); ``program`` is a fused activation quantization, ``up_kn``
-    a gated MLP's up projection."""
+    a gated MLP's up projection, ``norm`` a fused RMSNorm's weight and spec (the ``gemm`` family's prologue)."""
+    if norm is not None:
+        return KERNELS[kernel](x, w_kn, steps, operands, scalars, out_dtype, config_dir=config_dir, norm=norm)
     if up_kn is not None:
         return KERNELS[kernel](x, w_kn, up_kn, steps, operands, scalars, out_dtype, config_dir=config_dir)
     if program is not None:

@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 
 if TYPE_CHECKING:
+    from ..norm_patterns import RmsNormMatch
     from ..options import BackendOptions
     from ..quant_program import QuantProgram
     from ..report import GraphReport
@@ -57,6 +58,8 @@ class GemmSite:
     # Fused prologue steps, and for an activation quantization its program (x is then the float input).
     prologue: list[Step] = field(default_factory=list)
     quant_program: QuantProgram | None = None
+    # A fused RMSNorm (x is then the norm's input): its weight, spec and the view to [M, K], if any.
+    rms_norm: RmsNormMatch | None = None
     # A gated MLP's up projection, multiplied in by the ``up_mul`` step: its weight as stored, and layout.
     up_weight: fx.Node | None = None
     up_layout: str = "nk"
@@ -85,7 +88,7 @@ class GemmSite:
                     originals = {id(new): old for new, old in zip(self.chain, value) if new is not old}
                     value = [originals.get(id(step), step) for step in self.chain]
                 setattr(self, name, value)
-        self.prologue, self.quant_program, self.undo_prologue = [], None, []
+        self.prologue, self.quant_program, self.rms_norm, self.undo_prologue = [], None, None, []
 
     @property
     def steps(self) -> list[Step]:

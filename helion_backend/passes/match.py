@@ -10,9 +10,17 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..patterns import next_step, val
+from ..norm_patterns import find_rmsnorm
 from ..quant_patterns import activation_quant
 from ..rules import Rule
-from ..vocabulary import ACTIVATION_QUANT_STEPS, KERNEL_FAMILIES, QUANT_DTYPES, SCALING_STEPS
+from ..vocabulary import (
+    ACTIVATION_QUANT_STEPS,
+    KERNEL_FAMILIES,
+    QUANT_DTYPES,
+    RMSNORM,
+    SCALING_STEPS,
+    SUPPORTED_DTYPES,
+)
 from .context import GemmSite, PassContext, Step
 
 _MAX_CHAIN = 32
@@ -25,9 +33,24 @@ def run(ctx: PassContext) -> None:
 
 
 def follow_chain(site: GemmSite) -> None:
-    """Every recognized step after the GEMM, and the activation quantization before it if there is one."""
+    """Every recognized step after the GEMM, and the activation quantization or RMSNorm before it if there is one."""
     site.chain = site.leading_steps + _follow(site)
     _fuse_activation_quant(site)
+    _fuse_rmsnorm(site)
+
+
+def _fuse_rmsnorm(site: GemmSite) -> None:
+    """An RMSNorm computing a float GEMM's activation: the kernel reads the norm's input and weight and
+    normalizes in its prologue. The norm's nodes stay in the graph: other readers still get it, and
+    cleanup removes it once every site that read it is fused."""
+    if site.prologue or site.dtype not in SUPPORTED_DTYPES.values():
+        return
+    found = find_rmsnorm(site.x, site.k, site.dtype)
+    if isinstance(found, str):
+        site.notes.append(f"RMSNorm not fused: {found}")
+    elif found is not None:
+        site.fuse_prologue(Step(RMSNORM, list(found.nodes), operand=found.weight, scalar=found.spec.eps),
+                           x=found.x, rms_norm=found)
 
 
 def _fuse_activation_quant(site: GemmSite) -> None:
