@@ -83,16 +83,11 @@ def _weight_multiply(out: fx.Node, k: int, dtype: torch.dtype) -> tuple[fx.Node,
     if split is None:
         return None
     weight, rows = split
-    if round_before_weight and dtype != torch.float32:
-        if not _is_convert(rows, dtype):
-            return None
+    if round_before_weight and _is_convert(rows, dtype):
         nodes.insert(0, rows)
         rows = rows.args[0]
-    elif dtype == torch.float32:
+    else:  # nothing rounds between the norm and the weight (float32, or a norm computed in x's dtype)
         round_before_weight = False
-    rows_val = val(rows)
-    if rows_val is None or rows_val.dtype != torch.float32:
-        return None
     return weight, rows, round_before_weight, nodes
 
 
@@ -118,11 +113,14 @@ def _normalized_rows(y: fx.Node) -> tuple[fx.Node, float, list[fx.Node]] | str |
         return None
     shifted = rstd.args[0]
     eps = _added_constant(shifted)
+    if eps is None and shifted.target in _ADDS and any(_is_input_scalar(a) for a in shifted.args[:2]):
+        return ("its eps is a graph input, not a constant (torch.compile(dynamic=True) lifts float attributes "
+                "to inputs; mark the token dimension dynamic with torch._dynamo.mark_dynamic instead)")
     if eps is None:
         return "its rsqrt does not read mean(x^2) + a constant eps"
     mean = shifted.args[0] if isinstance(shifted.args[0], fx.Node) else shifted.args[1]
     if mean.target is not aten.mean.dim:
-        return f"its variance is {mean.target}, not a mean"
+        return f"its rsqrt reads {mean.target} + eps, not mean(x^2) + eps"
     square, dims = mean.args[0], list(mean.args[1])
     keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
     h_val = val(h)
@@ -150,6 +148,14 @@ def _added_constant(node: fx.Node) -> float | None:
     if isinstance(a, numbers.Real) and isinstance(b, fx.Node):
         return float(a)
     return None
+
+
+def _is_input_scalar(node: object) -> bool:
+    """A one-element graph input (maybe converted): how Dynamo passes a float it did not specialize."""
+    if _is_convert(node, torch.float32):
+        node = node.args[0]
+    value = val(node) if isinstance(node, fx.Node) else None
+    return node is not None and getattr(node, "op", None) == "placeholder" and value is not None and value.numel() == 1
 
 
 def _is_square_of(square: fx.Node, h: fx.Node) -> bool:

@@ -36,10 +36,10 @@ def follow_chain(site: GemmSite) -> None:
     """Every recognized step after the GEMM, and the activation quantization or RMSNorm before it if there is one."""
     site.chain = site.leading_steps + _follow(site)
     _fuse_activation_quant(site)
-    _fuse_rmsnorm(site)
+    fuse_rmsnorm(site)
 
 
-def _fuse_rmsnorm(site: GemmSite) -> None:
+def fuse_rmsnorm(site: GemmSite) -> None:
     """An RMSNorm computing a float GEMM's activation: the kernel reads the norm's input and weight and
     normalizes in its prologue. The norm's nodes stay in the graph: other readers still get it, and
     cleanup removes it once every site that read it is fused."""
