@@ -18,8 +18,8 @@ pytest.importorskip("helion")
 
 import helion  # noqa: E402
 import triton.language as tl  # noqa: E402
-from triton.language.extra import libdevice  # noqa: E402
 from helion.runtime.kernel import BoundKernel  # noqa: E402
+from triton.language.extra import libdevice  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
 from helion_backend.dispatch import flatten_operands  # noqa: E402

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..patterns import next_step, val
 from ..norm_patterns import find_rmsnorm
+from ..patterns import next_step, val
 from ..quant_patterns import activation_quant
 from ..rules import Rule
 from ..vocabulary import (

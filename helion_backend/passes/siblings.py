@@ -16,7 +16,7 @@ import torch.fx as fx
 from ..patterns import val
 from ..vocabulary import ACTIVATIONS, RMSNORM, SUPPORTED_DTYPES
 from .context import GemmSite, PassContext, Step
-from .match import choose_rule, fuse_rmsnorm, follow_chain
+from .match import choose_rule, follow_chain, fuse_rmsnorm
 
 aten = torch.ops.aten
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
