@@ -208,3 +208,17 @@ def test_spec_round_trips_and_bad_specs_are_refused():
     for bad in ("", "{}", '{"eps": "1", "round_before_weight": true}', '{"eps": 1e-6}'):
         with pytest.raises(ValueError, match="norm_spec"):
             parse_spec(bad)
+
+
+def test_a_higher_ranked_rule_without_the_prologue_wins_and_the_norm_stays(tmp_path):
+    """A user's rule that ranks above the shipped ones keeps the site; the norm is not fused there."""
+    rules = tmp_path / "mine.toml"
+    rules.write_text('[[rule]]\nname = "my_silu"\nanchor = ["linear"]\nepilogue = ["silu"]\npriority = 100\n')
+    model = nn.Sequential(HFRMSNorm(D), nn.Linear(D, KV, bias=False), nn.SiLU()).eval()
+    x = torch.randn(2, 3, D)
+    with torch.no_grad():
+        got, reports = compile_run(model, x, options={"rewrite_on_cpu": True, "rules": [str(rules)]})
+        assert rel_err(got, model(x)) <= 1e-5
+    (site,) = sites(reports)
+    assert site.rule == "my_silu" and site.prologue == []
+    assert any("rule my_silu ranks higher" in n for n in site.notes), site.notes

@@ -114,6 +114,13 @@ def choose_rule(site: GemmSite, rules: Sequence[Rule]) -> None:
         key = (rule.priority, accepted)
         if best is None or key > best[0]:
             best = (key, rule, accepted)
+    if best is not None and site.rms_norm is not None:
+        outranking = _outranks_without_norm(site, rules, names, best[0])
+        if outranking is not None:  # the norm is only worth fusing where the rule the user ranks first takes it
+            site.notes.append(f"RMSNorm not fused: rule {outranking.name} ranks higher and takes no prologue")
+            site.drop_prologue()
+            choose_rule(site, all_rules)
+            return
     if best is None and site.prologue:
         site.notes.append("prologue [" + ", ".join(prologue) + "] not fused: " + "; ".join(objections))
         site.drop_prologue()
@@ -126,6 +133,20 @@ def choose_rule(site: GemmSite, rules: Sequence[Rule]) -> None:
     _, site.rule, accepted = best
     site.reason = None
     site.chain = _cut(site.chain, accepted)
+
+
+def _outranks_without_norm(site: GemmSite, rules: Sequence[Rule], names: list[str],
+                           key: tuple[int, int]) -> Rule | None:
+    """A rule that would win over ``key`` if the site had no RMSNorm prologue, if there is one."""
+    prologue, site.prologue = site.prologue, []
+    try:
+        for rule in rules:
+            problem, accepted = _check(rule, site, names)
+            if problem is None and (rule.priority, accepted) > key:
+                return rule
+    finally:
+        site.prologue = prologue
+    return None
 
 
 def _check(rule: Rule, site: GemmSite, names: list[str]) -> tuple[str | None, int]:
