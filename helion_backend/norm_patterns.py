@@ -52,9 +52,9 @@ def find_rmsnorm(gemm_x: fx.Node, k: int, dtype: torch.dtype) -> RmsNormMatch | 
         return "an RMSNorm-like value feeds the GEMM, but " + found
     x, eps, inner = found
     x_val = val(x)
-    if x_val is None or x_val.dtype != dtype:
-        return (f"the norm's input is {dtype_name(x_val.dtype) if x_val is not None else '?'}, not the "
-                f"GEMM's {dtype_name(dtype)}")
+    if x_val is None or x_val.shape[-1] != k or x_val.dtype != dtype:
+        what = f"{tuple(x_val.shape)} {dtype_name(x_val.dtype)}" if x_val is not None else "?"
+        return f"the norm's input is {what}, not rows of K={k} in the GEMM's {dtype_name(dtype)}"
     if view is not None and not _viewable(x_val):
         return "the norm's input is not contiguous, so it cannot be read as the GEMM's [M, K] activation"
     readers = _other_readers(out, view)
@@ -94,8 +94,10 @@ def _weight_multiply(out: fx.Node, k: int, dtype: torch.dtype) -> tuple[fx.Node,
 def _split_weight(product: fx.Node, k: int) -> tuple[fx.Node, fx.Node] | None:
     """The [K] weight and the rows of a ``mul``, in either order."""
     a, b = product.args[:2]
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+        return None
     for weight, rows in ((a, b), (b, a)):
-        w_val, r_val = val(weight) if isinstance(weight, fx.Node) else None, val(rows) if isinstance(rows, fx.Node) else None
+        w_val, r_val = val(weight), val(rows)
         if (w_val is not None and r_val is not None and w_val.dim() == 1 and w_val.shape[0] == k
                 and w_val.dtype.is_floating_point and r_val.dim() >= 2):
             return weight, rows
