@@ -13,6 +13,7 @@ import torch
 
 from . import report
 from .epilogue import apply_epilogue, operand_kinds, parse_epilogue, parse_prologue
+from .norm import RmsNormSpec, parse_spec, rms_norm
 from .quant_program import QuantProgram, parse_program, quantize_rows
 from .vocabulary import (
     DEFAULT_KERNEL_FAMILY,
@@ -21,6 +22,7 @@ from .vocabulary import (
     INT4_LOW_MASK,
     INT4_ZERO_POINT,
     QUANT_DTYPES,
+    RMSNORM,
     Operand,
 )
 
@@ -85,11 +87,14 @@ def run_gemm_epilogue(
     max_helion_m: int,
     config_dir: str = "",
     site: str = "",
+    norm_weight: torch.Tensor | None = None,
+    norm_spec: str = "",
 ) -> torch.Tensor:
     # The step names are validated here; what they do is in the program, the dtypes and ``weight_scale``.
     prologue_steps = parse_prologue(prologue)
     int4, block_fp8 = "dequant_int4" in prologue_steps, "dequant_fp8_block" in prologue_steps
     program = parse_program(quant_program) if quant_program else None
+    norm = _norm(prologue_steps, norm_weight, norm_spec)
     steps = parse_epilogue(epilogue)
     _check_weight_dequant(prologue_steps, weight_layout, weight_scale, program)
     w_kn = weight_kn(weight, weight_layout)
@@ -101,7 +106,7 @@ def run_gemm_epilogue(
 
         try:
             return run_kernel(kernel, x, w_kn, steps, flat, scalars, out_dtype, config_dir or None, program, up_kn,
-                              weight_scale)
+                              weight_scale=weight_scale, norm=norm)
         except Exception as e:  # a kernel that cannot compile or launch must not fail the model
             failure = _describe_failure(e)
             # The failed call's frames hold the output it had allocated, and a log record that keeps the
@@ -114,6 +119,8 @@ def run_gemm_epilogue(
     elif block_fp8:
         x, w_kn = dequantize_block_fp8(x, program, weight, weight_scale)
         program = None
+    if norm is not None:
+        x = rms_norm(x, *norm)
     return reference(x, w_kn, steps, flat, scalars, out_dtype, program, up_kn)
 
 
@@ -131,6 +138,17 @@ def _check_weight_dequant(prologue: tuple[str, ...], weight_layout: str, weight_
     else:
         return
     raise ValueError(f"prologue {list(prologue)} with {problem}")
+
+
+def _norm(prologue: tuple[str, ...], weight: torch.Tensor | None, spec: str) -> tuple[torch.Tensor, RmsNormSpec] | None:
+    """The fused RMSNorm's weight and spec; refuses a norm weight without the ``rmsnorm`` step and the
+    other way round, since either would silently skip or misapply the normalization."""
+    has_step = RMSNORM in prologue
+    if has_step != (weight is not None) or has_step != bool(spec):
+        raise ValueError(f"the {RMSNORM} prologue step needs norm_weight and norm_spec, and they need it "
+                         f"(prologue {list(prologue)}, norm_weight {'given' if weight is not None else 'None'}, "
+                         f"norm_spec {spec!r})")
+    return (weight, parse_spec(spec)) if has_step else None
 
 
 def _clear_frames(error: BaseException | None) -> None:

@@ -34,6 +34,8 @@ def gemm_epilogue(
     max_helion_m: int,
     config_dir: str,
     site: str,
+    norm_weight: torch.Tensor | None = None,
+    norm_spec: str = "",
 ) -> torch.Tensor:
     """``epilogue(prologue(x) @ prologue(weight))`` stored once in ``out_dtype``; x is [M, K], the result [M, N].
 
@@ -49,15 +51,17 @@ def gemm_epilogue(
     ``scalars`` in order. ``kernel`` names the kernel family; rows up to ``max_helion_m`` run it,
     with configs from ``config_dir`` (user-tuned; "" for none) before the shipped ones. ``site`` names
     the site in the report (``graph:anchor``), for the warning if its kernel fails.
+    With an ``rmsnorm`` prologue, x is the norm's input, ``norm_weight`` its [K] weight and ``norm_spec``
+    its eps and rounding (JSON, see :mod:`.norm`); the GEMM multiplies the normalized rows.
     """
     return dispatch.run_gemm_epilogue(
-        x, weight, weight_layout, weight_scale, up_weight, up_layout, prologue, quant_program, operands, scalars, epilogue,
-        out_dtype, kernel, max_helion_m, config_dir, site,
+        x, weight, weight_layout, weight_scale, up_weight, up_layout, prologue, quant_program, operands, scalars,
+        epilogue, out_dtype, kernel, max_helion_m, config_dir, site, norm_weight, norm_spec,
     )
 
 
 @gemm_epilogue.register_fake
-def _(x, weight, weight_layout, weight_scale, up_weight, up_layout, prologue, quant_program, operands, scalars, epilogue,
-      out_dtype, kernel, max_helion_m, config_dir, site):
+def _(x, weight, weight_layout, weight_scale, up_weight, up_layout, prologue, quant_program, operands, scalars,
+      epilogue, out_dtype, kernel, max_helion_m, config_dir, site, norm_weight=None, norm_spec=""):
     n = weight.shape[0] if weight_layout == "nk" else weight.shape[1]
     return x.new_empty((x.shape[0], n), dtype=out_dtype)

@@ -78,6 +78,8 @@ INT4_LOW_MASK, INT4_HIGH_SHIFT = 15, 4  # p & 15 is the low nibble, p >> 4 the h
 # Block fp8 (DeepSeek-V3): the activation quantized per 1 x FP8_BLOCK group along K, the weight scaled per
 # FP8_BLOCK x FP8_BLOCK block.
 FP8_BLOCK = 128
+# RMSNorm feeding a float GEMM: the kernel reads the un-normalized activation and the norm's weight.
+RMSNORM = "rmsnorm"
 PROLOGUE_STEPS: dict[str, StepKind] = {
     step.name: step
     for step in (
@@ -90,6 +92,8 @@ PROLOGUE_STEPS: dict[str, StepKind] = {
                  f"scale per 1 x {FP8_BLOCK} group along K (amax over the group)"),
         StepKind("dequant_fp8_block", Operand.NONE, f"scale a float8_e4m3fn weight per {FP8_BLOCK} x {FP8_BLOCK} "
                  "block"),
+        StepKind(RMSNORM, Operand.NONE, "RMS-normalize each row of the activation over K in float32 and "
+                 "scale it by the norm's weight [K] (the norm's eps and dtype round trips as the graph has them)"),
     )
 }
 
@@ -142,7 +146,7 @@ FP8_BLOCK_FAMILY = "gemm_fp8_block"
 KERNEL_FAMILIES: dict[str, KernelFamily] = {
     family.name: family
     for family in (
-        KernelFamily("gemm", tuple(SUPPORTED_DTYPES)),
+        KernelFamily("gemm", tuple(SUPPORTED_DTYPES), (RMSNORM,)),
         KernelFamily("gemm_fp8", ("float8_e4m3fn",), (ACTIVATION_QUANT_STEPS[torch.float8_e4m3fn],)),
         KernelFamily("gemm_int8", ("int8",), (ACTIVATION_QUANT_STEPS[torch.int8],)),
         KernelFamily("gemm_weight_only", tuple(SUPPORTED_DTYPES), ("dequant_int8",), needs_prologue=True),

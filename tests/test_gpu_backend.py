@@ -165,3 +165,71 @@ def test_gated_mlp_kernel_under_cuda_graphs(m):
         assert rel_err(out, ref) <= 1e-2
     (site,) = [s for rep in helion_backend.get_reports() for s in rep.sites]
     assert site.rule == "gated_mlp" and site.runs_on == ("helion" if m <= 32 else "inductor"), site
+
+
+class _HFRMSNorm(torch.nn.Module):
+    """Hugging Face's LlamaRMSNorm: fp32, rounded back to the input dtype, then times the weight."""
+
+    def __init__(self, size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(size).normal_(1.0, 0.1))
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class _NormedQKV(torch.nn.Module):
+    """An attention block's input norm read by q (with a bias), k and v; each GEMM takes it as a prologue."""
+
+    def __init__(self, spelling: str) -> None:
+        super().__init__()
+        self.norm = _HFRMSNorm(K) if spelling == "hf" else torch.nn.RMSNorm(K, eps=1e-5)
+        if spelling != "hf":
+            torch.nn.init.normal_(self.norm.weight, 1.0, 0.1)
+        self.q, self.k, self.v = torch.nn.Linear(K, N), torch.nn.Linear(K, N // 2, bias=False), \
+            torch.nn.Linear(K, N // 2, bias=False)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return self.q(h), F.silu(self.k(h)), self.v(h) + 1
+
+
+@pytest.mark.parametrize("spelling", ["hf", "nn_rmsnorm"])
+@pytest.mark.parametrize("m", [1, 8, 32, 33])
+def test_rmsnorm_prologue_under_cuda_graphs(m, spelling):
+    """q/k/v with the norm fused into each GEMM (M <= 32), or norm + GEMMs left to Inductor (M = 33),
+    against float64, replayed under CUDA graphs on fresh inputs."""
+    torch.manual_seed(0)
+    model = _NormedQKV(spelling).cuda().to(torch.bfloat16).eval()
+    reference = copy.deepcopy(model).double()
+    helion_backend.clear_reports()
+    compiled = torch.compile(model, backend="helion_inductor")
+    with torch.no_grad():
+        for call in range(4):
+            x = torch.randn(1, m, K, device="cuda", dtype=torch.bfloat16) * 2
+            outs, refs = compiled(x), reference(x.double())
+            for out, ref in zip(outs, refs):
+                assert rel_err(out, ref) <= 1e-2, (m, call)
+    found = [s for rep in helion_backend.get_reports() for s in rep.sites]
+    assert len(found) == 3 and all(s.prologue == ["rmsnorm"] for s in found), found
+    assert all(s.runs_on == ("helion" if m <= 32 else "inductor") for s in found), found
+
+
+def test_rmsnorm_prologue_with_dynamic_m_crosses_the_threshold():
+    """One dynamic-M compile: the fused variant at small M, unfused norm + cuBLAS above the limit."""
+    torch.manual_seed(0)
+    model = _NormedQKV("hf").cuda().to(torch.bfloat16).eval()
+    reference = copy.deepcopy(model).double()
+    compiled = torch.compile(model, backend="helion_inductor")
+    with torch.no_grad():
+        for m in (8, 33, 4, 64, 32, 2):
+            x = torch.randn(1, m, K, device="cuda", dtype=torch.bfloat16)
+            torch._dynamo.mark_dynamic(x, 1)
+            for _ in range(3):
+                outs = compiled(x)
+            for out, ref in zip(outs, reference(x.double())):
+                assert rel_err(out, ref) <= 1e-2, m
+    dynamic = [s for rep in helion_backend.get_reports() for s in rep.sites if s.m == "dynamic"]
+    assert len(dynamic) == 3 and all(s.prologue == ["rmsnorm"] and s.runs_on == "helion" for s in dynamic), dynamic

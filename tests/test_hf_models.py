@@ -50,6 +50,10 @@ def test_decoder_matches_eager_and_fuses_every_projection(name):
         assert ("bias", "gelu_tanh") in epilogues and ("bias", "residual") in epilogues
     else:
         assert ("silu", "mul") in epilogues and ("residual",) in epilogues
+        # Every layer's q, k, v (input norm) and gate, up (post-attention norm) take their RMSNorm as the
+        # prologue, and so does the LM head (the final norm; the slice of all positions is gone post-grad).
+        assert sum(s.prologue == ["rmsnorm"] for s in found) == 5 * LAYERS + 1, \
+            [r.summary() for r in helion_backend.get_reports()]
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])

@@ -19,6 +19,7 @@ pytest.importorskip("helion")
 import helion  # noqa: E402
 import triton.language as tl  # noqa: E402
 from helion.runtime.kernel import BoundKernel  # noqa: E402
+from triton.language.extra import libdevice  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
 from helion_backend.dispatch import flatten_operands  # noqa: E402
@@ -55,6 +56,7 @@ def _interpreter_fixes():
 
     - triton-lang/triton#9171: ``int()`` of a one-element array (dynamic loop bounds) raises on NumPy >= 2.4.
     - triton-lang/triton#11584: ``tl.dot`` of bfloat16 multiplies the raw uint16 bit patterns.
+    - libdevice's ``rsqrt`` (the RMSNorm prologue) has no interpreter implementation; ``tl.math.rsqrt`` has.
     """
     patch_tensor = interpreter._patch_lang_tensor
     create_dot = interpreter.InterpreterBuilder.create_dot
@@ -73,6 +75,7 @@ def _interpreter_fixes():
         mp.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
         mp.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot_fp32)
         mp.setattr(BoundKernel, "autotune", no_autotune)
+        mp.setattr(libdevice, "rsqrt", lambda v: tl.math.rsqrt(v))
         yield
 
 
@@ -348,3 +351,51 @@ def test_block_fp8_kernel_scales_each_block_product(split_k):
     assert torch.equal(x_dq, x)  # the activation was chosen so that its quantization is exact
     assert rel_err(out, reference(x_dq, w_kn, steps, operands, [], torch.float64)) <= 1e-5
     assert rel_err(out, torch.relu(layer(x)).double()) <= 1e-5
+
+
+# --------------------------------------------------------------------------------------------------
+# RMSNorm prologue: the norm is recorded from a traced module, as the matcher records it from a model.
+
+
+class _HFRMSNorm(torch.nn.Module):
+    """Hugging Face's LlamaRMSNorm: fp32, rounded back to the input dtype, then times the weight."""
+
+    def __init__(self, size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(size, dtype=dtype) * 0.1 + 1)
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+@pytest.mark.parametrize("spelling", ["hf", "nn_rmsnorm"])
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_prologue_kernel_matches_the_unfused_graph(dtype, split_k, spelling):
+    """Rows normalized over all of K (several partial K blocks, split or not), then multiplied."""
+    from helion_backend.dispatch import reference
+    from helion_backend.norm import rms_norm
+    from helion_backend.passes.trace import trace_sites
+
+    m, k, n = 5, 300, 40
+    norm = _HFRMSNorm(k, dtype) if spelling == "hf" else torch.nn.RMSNorm(k, eps=1e-5, dtype=dtype)
+    linear = torch.nn.Linear(k, n, bias=False, dtype=dtype)
+    x = torch.randn(m, k, dtype=dtype) * 3
+    (site,) = trace_sites(torch.nn.Sequential(norm, linear), x)
+    spec = site.rms_norm.spec
+    assert spec.round_before_weight == (spelling == "hf" and dtype != torch.float32)
+    w_kn, steps, operands = linear.weight.detach().t(), ("relu", "residual"), [torch.randn(m, n, dtype=dtype)]
+    config = helion.Config(block_sizes=BLOCKS, num_warps=4, num_stages=1, split_k=split_k)
+    with torch.no_grad():
+        out = gemm_epilogue_helion(x, w_kn, steps, operands, [], dtype, config, norm=(norm.weight, spec))
+        ref = reference(rms_norm(x, norm.weight, spec), w_kn, steps, operands, [], dtype)
+    assert rel_err(out, ref.double()) <= TOLERANCE[dtype]
+
+
+def test_rmsnorm_weight_of_the_wrong_length_is_refused():
+    from helion_backend.norm import RmsNormSpec
+
+    with pytest.raises(ValueError, match=r"RMSNorm weight must be a float \[64\] vector"):
+        gemm_epilogue_helion(torch.randn(4, 64), torch.randn(64, 32), (), [], [], torch.float32,
+                             norm=(torch.randn(32), RmsNormSpec(1e-6, False)))

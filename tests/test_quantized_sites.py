@@ -171,7 +171,7 @@ def test_rule_without_the_prologue_keeps_the_gemm_and_notes_why(tmp_path):
     ('anchor = ["scaled_mm"]\nkernel = "gemm_fp8"\ndtypes = ["bfloat16"]', 5,
      "kernel family 'gemm_fp8' multiplies ['float8_e4m3fn'], not ['bfloat16']"),
     ('anchor = ["mm"]\nprologue = ["quant_fp8_per_token"]', 4,
-     "kernel family 'gemm' runs prologue steps none, not ['quant_fp8_per_token']"),
+     "kernel family 'gemm' runs prologue steps ['rmsnorm'], not ['quant_fp8_per_token']"),
 ])
 def test_rule_files_pair_kernel_families_with_their_dtypes_and_prologues(tmp_path, body, line, message):
     path = tmp_path / "rules.toml"

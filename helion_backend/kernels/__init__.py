@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..norm import RmsNormSpec
 from ..quant_program import QuantProgram
 from ..vocabulary import FP8_BLOCK_FAMILY, INT4_FAMILY, KERNEL_FAMILIES
 from .gemm import gemm_epilogue_helion, glu_gemm_helion
@@ -35,15 +36,19 @@ def run_kernel(
     program: QuantProgram | None = None,
     up_kn: torch.Tensor | None = None,
     weight_scale: torch.Tensor | None = None,
+    norm: tuple[torch.Tensor, RmsNormSpec] | None = None,
 ) -> torch.Tensor:
     """Run the ``kernel`` family's Helion implementation with the config tables' pick for the shape
     (user-tuned ones in ``config_dir`` first); ``program`` is a fused activation quantization, ``up_kn``
     a gated MLP's up projection, ``weight_scale`` the scales of a dequantized ``w_kn`` (packed int4's
-    group scales, block fp8's block scales; block fp8 also has its activation's ``program``)."""
+    group scales, block fp8's block scales; block fp8 also has its activation's ``program``), ``norm``
+    a fused RMSNorm's weight and spec (the ``gemm`` family's prologue)."""
     if weight_scale is not None:
         extra = () if program is None else (program,)
         return KERNELS[kernel](x, w_kn, weight_scale, steps, operands, scalars, out_dtype, *extra,
                                config_dir=config_dir)
+    if norm is not None:
+        return KERNELS[kernel](x, w_kn, steps, operands, scalars, out_dtype, config_dir=config_dir, norm=norm)
     if up_kn is not None:
         return KERNELS[kernel](x, w_kn, up_kn, steps, operands, scalars, out_dtype, config_dir=config_dir)
     if program is not None:

@@ -31,7 +31,9 @@ from helion.autotuner import PowerOfTwoFragment
 # ``apply_epilogue`` reads holds Enum members it cannot fake. A module attribute is taken as is, so the
 # epilogue runs with its real globals (and its float constants become literals in the kernel).
 from .. import epilogue as epilogue_module
+from .. import norm as norm_module
 from ..epilogue import num_scalars, operand_kinds
+from ..norm import RmsNormSpec
 from ..vocabulary import DEFAULT_KERNEL_FAMILY, EPILOGUE_STEPS, Operand
 from .configs import EPILOGUE_CONFIG, config_for
 
@@ -64,6 +66,42 @@ def gemm_kernel(
             acc = torch.addmm(acc, x[tile_m, tile_k], w[tile_k, tile_n])
         # Triton specializes an int argument equal to 1 as a constant, so with split_k == 1 the branch
         # is resolved at compile time; the tile id is then 0.
+        if split_k == 1:
+            acc = epilogue(acc, operands, scalars, tile_m, tile_n)
+        out[tile_split.id, tile_m, tile_n] = acc.to(out.dtype)
+
+
+@helion.kernel(static_shapes=True, autotune_effort="none", dot_precision="ieee")
+def rmsnorm_gemm_kernel(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    operands: list[torch.Tensor],
+    scalars: list[float],
+    rounding: torch.dtype,
+    epilogue: TileEpilogue,
+) -> None:
+    """:func:`gemm_kernel` on RMS-normalized rows of x: each tile first sums its rows' squares over all
+    of K (x is small at decode sizes; recomputing per N tile costs one more read of x from L2), then
+    normalizes every x tile as it loads it. One K block size serves both loops, registered first, so
+    its config is ``gemm_kernel``'s with the block sizes rotated (:func:`norm_kernel_config`)."""
+    m, k = x.size()
+    n = w.size(1)
+    block_k = hl.register_block_size(k)
+    split_k = hl.register_tunable("split_k", PowerOfTwoFragment(1, 64, 1))
+    k_per_split = helion.cdiv(helion.cdiv(k, split_k), 256) * 256
+    for tile_m, tile_n, tile_split in hl.tile([m, n, k], block_size=[None, None, k_per_split]):
+        sum_of_squares = hl.zeros([tile_m], dtype=torch.float32)
+        for tile_k in hl.tile(k, block_size=block_k):
+            rows = x[tile_m, tile_k].to(torch.float32)
+            sum_of_squares = sum_of_squares + (rows * rows).sum(-1)
+        rstd = norm_module.rstd_from_sum_of_squares(sum_of_squares, k, eps)[:, None]
+        acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
+        for tile_k in hl.tile(tile_split.begin, tile_split.end, block_size=block_k):
+            x_tile = norm_module.normalize(x[tile_m, tile_k], rstd, norm_weight[tile_k], rounding)
+            acc = torch.addmm(acc, x_tile, w[tile_k, tile_n])
         if split_k == 1:
             acc = epilogue(acc, operands, scalars, tile_m, tile_n)
         out[tile_split.id, tile_m, tile_n] = acc.to(out.dtype)
@@ -135,6 +173,19 @@ def tile_epilogue(steps: tuple[str, ...]) -> TileEpilogue:
     return epilogue
 
 
+# Config keys that mean the same in rmsnorm_gemm_kernel as in gemm_kernel; the others (per-loop and
+# per-load lists) are sized for gemm_kernel's loops and are left to their defaults.
+_NORM_CONFIG_KEYS = ("num_warps", "num_stages", "split_k", "pid_type", "l2_groupings")
+
+
+@functools.cache  # on every launch
+def norm_kernel_config(config: helion.Config) -> helion.Config:
+    """``gemm_kernel``'s config for :func:`rmsnorm_gemm_kernel`: the K block size comes first there."""
+    block_m, block_n, block_k = config["block_sizes"]
+    kept = {key: config[key] for key in _NORM_CONFIG_KEYS if key in config}
+    return helion.Config(block_sizes=[block_k, block_m, block_n], **kept)
+
+
 class Layout(NamedTuple):
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -155,6 +206,8 @@ class Signature(NamedTuple):
     num_scalars: int
     steps: tuple[str, ...]
     out_dtype: torch.dtype
+    # A fused RMSNorm: its weight and whether it rounds to x's dtype before the weight multiply.
+    norm: tuple[Layout, bool] | None = None
 
 
 @functools.cache
@@ -166,7 +219,17 @@ def check_signature(sig: Signature) -> None:
         raise ValueError(
             f"x and w_kn must share one of {SUPPORTED_INPUT_DTYPES}, got {sig.x.dtype}, {sig.w.dtype}"
         )
+    if sig.norm is not None:
+        check_norm_weight(sig.norm[0], sig.x)
     check_operands(sig)
+
+
+def check_norm_weight(weight: Layout, x: Layout) -> None:
+    """An RMSNorm weight is a float [K] vector on x's device (any stride: the kernel indexes it)."""
+    k = x.shape[1]
+    if weight.shape != (k,) or not weight.dtype.is_floating_point or weight.device != x.device:
+        raise ValueError(f"the RMSNorm weight must be a float [{k}] vector on {x.device}, got "
+                         f"{weight.shape} {weight.dtype} on {weight.device}")
 
 
 @functools.cache
@@ -235,18 +298,21 @@ def gemm_epilogue_helion(
     out_dtype: torch.dtype,
     config: helion.Config | None = None,
     config_dir: str | None = None,
+    norm: tuple[torch.Tensor, RmsNormSpec] | None = None,
 ) -> torch.Tensor:
     """``epilogue(x @ w_kn)`` as a contiguous [M, N] ``out_dtype`` tensor, accumulated and finished in fp32.
 
     ``w_kn`` may be any strided [K, N] view (e.g. ``weight.t()`` of an nn.Linear weight); it is read in
     place. ``config`` defaults to :func:`.configs.config_for` (user tables in ``config_dir`` first); its
-    ``split_k`` picks one or two passes.
+    ``split_k`` picks one or two passes. With ``norm`` (an RMSNorm's weight and spec) the rows of x are
+    RMS-normalized as :mod:`helion_backend.norm` says before the multiply.
     """
     steps = tuple(steps)
     operands = list(operands)
     scalars = [float(s) for s in scalars]
     sig = Signature(
-        Layout.of(x), Layout.of(w_kn), tuple(map(Layout.of, operands)), len(scalars), steps, out_dtype
+        Layout.of(x), Layout.of(w_kn), tuple(map(Layout.of, operands)), len(scalars), steps, out_dtype,
+        None if norm is None else (Layout.of(norm[0]), norm[1].round_before_weight),
     )
     check_signature(sig)
     check_family_steps(steps, DEFAULT_KERNEL_FAMILY)
@@ -258,7 +324,14 @@ def gemm_epilogue_helion(
     split_k = config.get("split_k", 1)
     gemm_args = gemm_kernel_args(x, w_kn, out, operands, scalars, epilogue, split_k)
     splits = gemm_args[2].shape[0]
-    compiled_kernel(gemm_kernel, gemm_args, sig, config, splits)(*gemm_args)
+    if norm is None:
+        compiled_kernel(gemm_kernel, gemm_args, sig, config, splits)(*gemm_args)
+    else:
+        weight, spec = norm
+        x, w_kn, workspace = gemm_args[:3]
+        norm_args = (x, weight, spec.eps, w_kn, workspace, operands, scalars,
+                     norm_module.round_dtype(spec, x.dtype), epilogue)
+        compiled_kernel(rmsnorm_gemm_kernel, norm_args, sig, norm_kernel_config(config), splits)(*norm_args)
     if split_k == 1:
         return out
     finish_args = (gemm_args[2], out, operands, scalars, epilogue)

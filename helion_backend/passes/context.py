@@ -16,6 +16,7 @@ import torch.fx as fx
 from ..vocabulary import ACTIVATION_QUANT_STEPS
 
 if TYPE_CHECKING:
+    from ..norm_patterns import RmsNormMatch
     from ..options import BackendOptions
     from ..quant_program import QuantProgram
     from ..report import GraphReport
@@ -62,6 +63,8 @@ class GemmSite:
     # The scales a weight dequantization reads besides the weight (dequant_int4: [N, K/G] group scales;
     # dequant_fp8_block: [N/128, K/128] block scales).
     weight_scale: fx.Node | None = None
+    # A fused RMSNorm (x is then the norm's input): its weight, spec and the view to [M, K], if any.
+    rms_norm: RmsNormMatch | None = None
     # A gated MLP's up projection, multiplied in by the ``up_mul`` step: its weight as stored, and layout.
     up_weight: fx.Node | None = None
     up_layout: str = "nk"
@@ -90,7 +93,7 @@ class GemmSite:
                     originals = {id(new): old for new, old in zip(self.chain, value) if new is not old}
                     value = [originals.get(id(step), step) for step in self.chain]
                 setattr(self, name, value)
-        self.prologue, self.quant_program, self.undo_prologue = [], None, []
+        self.prologue, self.quant_program, self.rms_norm, self.undo_prologue = [], None, None, []
 
     @property
     def quantizes_per_token(self) -> bool:

@@ -9,10 +9,18 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..norm_patterns import find_rmsnorm
 from ..patterns import next_step, val
 from ..quant_patterns import activation_quant
 from ..rules import Rule
-from ..vocabulary import ACTIVATION_QUANT_STEPS, KERNEL_FAMILIES, QUANT_DTYPES, SCALING_STEPS
+from ..vocabulary import (
+    ACTIVATION_QUANT_STEPS,
+    KERNEL_FAMILIES,
+    QUANT_DTYPES,
+    RMSNORM,
+    SCALING_STEPS,
+    SUPPORTED_DTYPES,
+)
 from .context import GemmSite, PassContext, Step
 
 _MAX_CHAIN = 32
@@ -25,9 +33,24 @@ def run(ctx: PassContext) -> None:
 
 
 def follow_chain(site: GemmSite) -> None:
-    """Every recognized step after the GEMM, and the activation quantization before it if there is one."""
+    """Every recognized step after the GEMM, and the activation quantization or RMSNorm before it if there is one."""
     site.chain = site.leading_steps + _follow(site)
     _fuse_activation_quant(site)
+    fuse_rmsnorm(site)
+
+
+def fuse_rmsnorm(site: GemmSite) -> None:
+    """An RMSNorm computing a float GEMM's activation: the kernel reads the norm's input and weight and
+    normalizes in its prologue. The norm's nodes stay in the graph: other readers still get it, and
+    cleanup removes it once every site that read it is fused."""
+    if site.prologue or site.dtype not in SUPPORTED_DTYPES.values():
+        return
+    found = find_rmsnorm(site.x, site.k, site.dtype)
+    if isinstance(found, str):
+        site.notes.append(f"RMSNorm not fused: {found}")
+    elif found is not None:
+        site.fuse_prologue(Step(RMSNORM, list(found.nodes), operand=found.weight, scalar=found.spec.eps),
+                           x=found.x, rms_norm=found)
 
 
 def _fuse_activation_quant(site: GemmSite) -> None:
@@ -91,6 +114,13 @@ def choose_rule(site: GemmSite, rules: Sequence[Rule]) -> None:
         key = (rule.priority, accepted)
         if best is None or key > best[0]:
             best = (key, rule, accepted)
+    if best is not None and site.rms_norm is not None:
+        outranking = _outranks_without_norm(site, rules, names, best[0])
+        if outranking is not None:  # the norm is only worth fusing where the rule the user ranks first takes it
+            site.notes.append(f"RMSNorm not fused: rule {outranking.name} ranks higher and takes no prologue")
+            site.drop_prologue()
+            choose_rule(site, all_rules)
+            return
     if best is None and site.prologue:
         site.notes.append("prologue [" + ", ".join(prologue) + "] not fused: " + "; ".join(objections))
         site.drop_prologue()
@@ -103,6 +133,20 @@ def choose_rule(site: GemmSite, rules: Sequence[Rule]) -> None:
     _, site.rule, accepted = best
     site.reason = None
     site.chain = _cut(site.chain, accepted)
+
+
+def _outranks_without_norm(site: GemmSite, rules: Sequence[Rule], names: list[str],
+                           key: tuple[int, int]) -> Rule | None:
+    """A rule that would win over ``key`` if the site had no RMSNorm prologue, if there is one."""
+    prologue, site.prologue = site.prologue, []
+    try:
+        for rule in rules:
+            problem, accepted = _check(rule, site, names)
+            if problem is None and (rule.priority, accepted) > key:
+                return rule
+    finally:
+        site.prologue = prologue
+    return None
 
 
 def _check(rule: Rule, site: GemmSite, names: list[str]) -> tuple[str | None, int]:

@@ -65,8 +65,14 @@ def placement(site: GemmSite, ctx: PassContext) -> tuple[str, str | None]:
 def _replace(graph: fx.Graph, site: GemmSite, config_dir: str, name: str, replaced: dict[fx.Node, fx.Node]) -> None:
     steps = site.steps
     out_val = val(site.output)
+    norm = site.rms_norm
+    if norm is not None and norm.view is not None:  # the norm's 3-D input, seen as the GEMM saw its output
+        with graph.inserting_before(site.output):
+            x = _call(graph, aten.view.default, (replaced.get(norm.x, norm.x), norm.view.args[1]))
+    else:
+        x = site.x
     args = fx.node.map_arg((
-        site.x,
+        x,
         site.weight,
         site.weight_layout,
         site.weight_scale,
@@ -82,6 +88,8 @@ def _replace(graph: fx.Graph, site: GemmSite, config_dir: str, name: str, replac
         site.helion_limit,
         config_dir,
         name,
+        norm.weight if norm is not None else None,
+        norm.spec.to_json() if norm is not None else "",
     ), lambda node: replaced.get(node, node))
     with graph.inserting_before(site.output):
         fused = _call(graph, FUSED_OP, args)

@@ -14,9 +14,9 @@ import torch
 import torch.fx as fx
 
 from ..patterns import val
-from ..vocabulary import ACTIVATIONS, SUPPORTED_DTYPES
+from ..vocabulary import ACTIVATIONS, RMSNORM, SUPPORTED_DTYPES
 from .context import GemmSite, PassContext, Step
-from .match import choose_rule, follow_chain
+from .match import choose_rule, follow_chain, fuse_rmsnorm
 
 aten = torch.ops.aten
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
@@ -40,14 +40,21 @@ def _try_gated(site: GemmSite, plain: dict[fx.Node, GemmSite], ctx: PassContext)
         site.chain, site.rule, site.reason = chosen
         return
     i, mul = steps[1]
+    normed = site.rms_norm is not None
+    if normed:  # gemm_glu runs no prologue: the gated kernel reads the normalized activation
+        site.drop_prologue()
     site.chain = [*site.chain[:i], Step("up_mul", mul.nodes), *site.chain[i + 1:]]
     site.up_weight, site.up_layout = up.weight, up.weight_layout
     choose_rule(site, ctx.rules)
     if site.rule is not None and site.rule.kernel == "gemm_glu":
         ctx.sites.remove(up)
         site.notes.append(f"the up projection {up.anchor.name} runs in the same kernel (x read once)")
+        if normed:
+            site.notes.append("RMSNorm not fused: the gated MLP kernel has no prologue")
         return
     site.up_weight = None
+    if normed:
+        fuse_rmsnorm(site)
     site.chain, site.rule, site.reason = chosen
 
 
@@ -60,17 +67,27 @@ def _up_projection(site: GemmSite, steps: list[tuple[int, Step]], plain: dict[fx
     if up is None or up is site or len(mul.operand.users) != 1:
         return None
     same_shape = (up.k, up.n, up.dtype, up.device) == (site.k, site.n, site.dtype, site.device)
-    if not same_shape or not _same_activation(up.x, site.x):
+    if not same_shape or not _same_activation(_gemm_input(up), _gemm_input(site)):
         return None
     return up
 
 
 def _is_float(site: GemmSite) -> bool:
-    return not site.prologue and site.dtype in SUPPORTED_DTYPES.values()
+    """A float GEMM whose prologue, if any, is an RMSNorm (which the gated site drops)."""
+    return (site.dtype in SUPPORTED_DTYPES.values()
+            and all(step.name == RMSNORM for step in site.prologue))
+
+
+def _gemm_input(site: GemmSite) -> fx.Node:
+    """The activation the GEMM node itself reads (with a fused prologue, ``site.x`` is the prologue's input);
+    for rows padded by Inductor's pad_mm, the rows before the padding."""
+    x = site.anchor.args[1] if site.anchor.target is aten.addmm.default else site.anchor.args[0]
+    return x.args[0] if any(step.name == "unpad" for step in site.leading_steps) else x
 
 
 def _is_plain(site: GemmSite) -> bool:
-    """A float GEMM with nothing of its own around it: no addmm bias, no prologue, one reader."""
+    """A float GEMM with nothing of its own around it: no addmm bias (row padding aside), no prologue but an
+    RMSNorm, one reader."""
     return (_is_float(site) and all(s.transparent for s in site.leading_steps)
             and site.anchor.target is aten.mm.default and len(site.anchor.users) == 1)
 

@@ -1,0 +1,224 @@
+"""RMSNorm feeding a GEMM fuses as the ``rmsnorm`` prologue: which sites take it, which do not and why,
+and that the rewritten graph (the reference path, ``rewrite_on_cpu``) computes what eager does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from helpers import compile_run, rel_err, sites
+
+import helion_backend
+from helion_backend.norm import RmsNormSpec, parse_spec, rms_norm
+from helion_backend.passes.trace import trace_sites
+
+D, KV, FF = 64, 32, 96
+# Eager against the rewritten graph: the norm is bit-identical, the GEMM and epilogue round differently.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+class HFRMSNorm(nn.Module):
+    """Hugging Face's LlamaRMSNorm/Qwen3RMSNorm (and benchmarks/decode.py's): fp32, cast back, weight *."""
+
+    def __init__(self, size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size).normal_(1.0, 0.1))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(dtype)
+
+
+def nn_rmsnorm(size: int, eps: float | None = 1e-5) -> nn.RMSNorm:
+    norm = nn.RMSNorm(size, eps=eps)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.1)
+    return norm
+
+
+class Block(nn.Module):
+    """A Llama-style decoder block without attention's softmax: q/k/v and gate/up read normalized rows."""
+
+    def __init__(self, norm=HFRMSNorm, post_norm=None) -> None:
+        super().__init__()
+        self.input_norm, self.post_norm = norm(D), (post_norm or norm)(D)
+        self.q, self.k, self.v = nn.Linear(D, D, bias=False), nn.Linear(D, KV, bias=False), nn.Linear(D, KV, bias=False)
+        self.o = nn.Linear(D, D, bias=False)
+        self.gate, self.up, self.down = (nn.Linear(D, FF, bias=False), nn.Linear(D, FF, bias=False),
+                                         nn.Linear(FF, D, bias=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.input_norm(x)
+        kv = self.k(h) * self.v(h)
+        x = x + self.o(self.q(h) * torch.cat([kv, kv], -1))
+        h = self.post_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+@pytest.mark.parametrize("norm", [HFRMSNorm, nn_rmsnorm], ids=["hf", "nn_rmsnorm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_fuses_the_norms_into_qkv_and_gate_up_and_matches_eager(norm, dtype):
+    torch.manual_seed(0)
+    model = Block(norm).to(dtype).eval()
+    x = torch.randn(2, 5, D, dtype=dtype)
+    with torch.no_grad():
+        expected = model(x)
+        got, reports = compile_run(model, x)
+        fresh = torch.randn(2, 5, D, dtype=dtype)  # the compiled graph, not a constant, on new inputs
+        assert rel_err(torch.compile(model, backend="helion_inductor",
+                                     options={"rewrite_on_cpu": True})(fresh), model(fresh)) <= TOLERANCE[dtype]
+    assert rel_err(got, expected) <= TOLERANCE[dtype]
+    found = sites(reports)
+    assert len(found) == 7 and all(s.runs_on == "reference" for s in found)
+    normed = sorted((s.k, s.n) for s in found if s.prologue == ["rmsnorm"])
+    # q, k, v read the input norm; gate and up the post-attention norm; o and down read no norm.
+    assert normed == sorted([(D, D), (D, KV), (D, KV), (D, FF), (D, FF)]), [r.summary() for r in reports]
+    assert all(s.prologue == [] for s in found if s.k == FF or (s.k, s.n, s.epilogue) == (D, D, ["residual"]))
+
+
+def test_sites_carry_each_norms_own_eps():
+    """Two norms with different eps: each site's fused norm uses the eps its own norm adds."""
+    torch.manual_seed(0)
+    model = Block(lambda d: HFRMSNorm(d, 1e-6), post_norm=lambda d: HFRMSNorm(d, 1e-2)).eval()
+    x = torch.randn(1, 3, D) * 0.05  # small rows, so that eps matters
+    found = trace_sites(model, x)
+    eps = {site.anchor.name: site.rms_norm.spec.eps for site in found if site.rms_norm is not None}
+    assert sorted(set(eps.values())) == [1e-6, 1e-2] and len(eps) == 5
+    with torch.no_grad():
+        got, _ = compile_run(model, x)
+        assert rel_err(got, model(x)) <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_spellings_record_the_rounding_they_do(dtype):
+    """Hugging Face rounds to the input dtype before the weight multiply; F.rms_norm multiplies in fp32."""
+    x = torch.randn(4, D, dtype=dtype)
+    for norm, rounds in ((HFRMSNorm(D), True), (nn_rmsnorm(D), False)):
+        linear = nn.Linear(D, KV, bias=False)
+        model = nn.Sequential(norm, linear).to(dtype)
+        (site,) = trace_sites(model, x)
+        assert [s.name for s in site.prologue] == ["rmsnorm"]
+        assert site.rms_norm.spec.round_before_weight == (rounds and dtype != torch.float32)
+
+
+def test_nn_rmsnorm_default_eps_is_the_dtype_epsilon():
+    (site,) = trace_sites(nn.Sequential(nn_rmsnorm(D, eps=None), nn.Linear(D, KV)), torch.randn(3, D))
+    assert site.rms_norm.spec.eps == torch.finfo(torch.float32).eps
+
+
+def _single_site_note(fn, *args) -> str:
+    (site,) = trace_sites(fn, *args)
+    assert not site.prologue, site.prologue
+    (note,) = [n for n in site.notes if n.startswith("RMSNorm not fused")]
+    return note
+
+
+W, G = torch.randn(KV, D), torch.randn(D)
+
+
+def test_eps_added_in_two_places_is_not_fused():
+    def fn(x):
+        h = x.float()
+        return F.linear(G * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6 + 1e-5)), W)
+
+    # Decompositions fold nothing here: the rsqrt reads (mean + eps1) + eps2, which the kernel does not compute.
+    assert "not mean(x^2) + eps" in _single_site_note(fn, torch.randn(3, D))
+
+
+def test_norm_over_another_dim_is_not_fused():
+    def fn(x):
+        return F.linear(G * (x * torch.rsqrt(x.pow(2).mean(0, keepdim=True) + 1e-6)), W)
+
+    assert "reduces over dim [0]" in _single_site_note(fn, torch.randn(3, D))
+
+
+def test_norm_in_low_precision_is_not_fused():
+    def fn(x):
+        return F.linear(G.bfloat16() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)), W.bfloat16())
+
+    assert "computes in bfloat16" in _single_site_note(fn, torch.randn(3, D, dtype=torch.bfloat16))
+
+
+def test_normalized_value_with_another_reader_stays_unfused_and_correct():
+    norm, linear = HFRMSNorm(D), nn.Linear(D, KV, bias=False)
+
+    def fn(x):
+        h = norm(x)
+        return linear(h), h.sum(-1)
+
+    x = torch.randn(2, 3, D)
+    assert "also read by" in _single_site_note(fn, x)
+    with torch.no_grad():
+        (out, total), reports = compile_run(fn, x)
+        ref_out, ref_total = fn(x)
+    (site,) = sites(reports)
+    assert site.prologue == [] and any("also read by" in n for n in site.notes)
+    assert rel_err(out, ref_out) <= 1e-5 and rel_err(total, ref_total) <= 1e-5
+
+
+def test_dynamic_m_fuses_and_every_size_matches_eager(op_calls):
+    """A dynamic token count: small M runs the fused op (the prologue in its reference), large M the plain
+    Inductor variant with the norm unfused; both compute what eager does."""
+    torch.manual_seed(0)
+    model = Block().eval()
+    compiled = torch.compile(model, backend="helion_inductor", options={"rewrite_on_cpu": True, "max_helion_size": 8})
+    with torch.no_grad():
+        for tokens in (3, 40, 5):
+            x = torch.randn(1, tokens, D)
+            torch._dynamo.mark_dynamic(x, 1)
+            before = op_calls.count
+            assert rel_err(compiled(x), model(x)) <= 1e-5, tokens
+            assert (op_calls.count > before) == (tokens <= 8), tokens
+    found = sites(helion_backend.get_reports())
+    assert found and all(not isinstance(s.m, int) for s in found)
+    assert sum(s.prologue == ["rmsnorm"] for s in found) == 5
+
+
+def test_eps_lifted_to_an_input_by_dynamic_true_is_not_fused():
+    """``dynamic=True`` makes the norm's eps a graph input: the kernel takes eps as a constant, so the norm
+    stays unfused, the note says why, and the result is still eager's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(HFRMSNorm(D), nn.Linear(D, KV, bias=False)).eval()
+    x = torch.randn(1, 3, D)
+    with torch.no_grad():
+        got, reports = compile_run(model, x, dynamic=True)
+        assert rel_err(got, model(x)) <= 1e-5
+    (site,) = sites(reports)
+    assert site.prologue == [] and any("eps is a graph input" in n for n in site.notes), site.notes
+
+
+def test_reference_is_eager_bit_for_bit():
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(5, D, dtype=dtype)
+        norm = HFRMSNorm(D).to(dtype)
+        spec = RmsNormSpec(norm.variance_epsilon, dtype != torch.float32)
+        with torch.no_grad():
+            assert torch.equal(rms_norm(x, norm.weight, spec), norm(x))
+            torch_norm = nn_rmsnorm(D, 1e-5).to(dtype)
+            assert torch.equal(rms_norm(x, torch_norm.weight, RmsNormSpec(1e-5, False)), torch_norm(x))
+
+
+def test_spec_round_trips_and_bad_specs_are_refused():
+    spec = RmsNormSpec(9.999999974752427e-07, True)
+    assert parse_spec(spec.to_json()) == spec
+    for bad in ("", "{}", '{"eps": "1", "round_before_weight": true}', '{"eps": 1e-6}'):
+        with pytest.raises(ValueError, match="norm_spec"):
+            parse_spec(bad)
+
+
+def test_a_higher_ranked_rule_without_the_prologue_wins_and_the_norm_stays(tmp_path):
+    """A user's rule that ranks above the shipped ones keeps the site; the norm is not fused there."""
+    rules = tmp_path / "mine.toml"
+    rules.write_text('[[rule]]\nname = "my_silu"\nanchor = ["linear"]\nepilogue = ["silu"]\npriority = 100\n')
+    model = nn.Sequential(HFRMSNorm(D), nn.Linear(D, KV, bias=False), nn.SiLU()).eval()
+    x = torch.randn(2, 3, D)
+    with torch.no_grad():
+        got, reports = compile_run(model, x, options={"rewrite_on_cpu": True, "rules": [str(rules)]})
+        assert rel_err(got, model(x)) <= 1e-5
+    (site,) = sites(reports)
+    assert site.rule == "my_silu" and site.prologue == []
+    assert any("rule my_silu ranks higher" in n for n in site.notes), site.notes
