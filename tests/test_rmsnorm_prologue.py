@@ -222,3 +222,26 @@ def test_a_higher_ranked_rule_without_the_prologue_wins_and_the_norm_stays(tmp_p
     (site,) = sites(reports)
     assert site.rule == "my_silu" and site.prologue == []
     assert any("rule my_silu ranks higher" in n for n in site.notes), site.notes
+
+
+def test_a_norm_whose_input_an_earlier_site_swallowed_is_not_fused(op_calls):
+    """The last layer's residual sum has one reader, the final norm's float cast, so the down projection's
+    site ends with that cast and the sum is inside it. The lm_head must then read the norm's result:
+    fusing the norm would keep the sum, and the down GEMM under it, running a second time."""
+    torch.manual_seed(3)
+    norm = HFRMSNorm(D).to(torch.bfloat16)
+    w_down, w_head = torch.randn(D, FF, dtype=torch.bfloat16) / FF**0.5, torch.randn(KV, D, dtype=torch.bfloat16)
+
+    def fn(h, r):
+        return F.linear(norm(r + F.linear(h, w_down)), w_head)
+
+    h, r = torch.randn(4, FF, dtype=torch.bfloat16), torch.randn(4, D, dtype=torch.bfloat16)
+    with torch.no_grad():
+        out, reports = compile_run(fn, h, r)
+        expected = fn(h, r)
+    down, head = sites(reports)
+    assert down.epilogue == ["residual", "cast"] and head.prologue == [], (down, head)
+    assert any("rmsnorm not fused: its input" in note for note in head.notes), head.notes
+    assert not any("unfused GEMM runs as well" in note for site in (down, head) for note in site.notes)
+    assert op_calls.count == 2
+    assert rel_err(out, expected) <= TOLERANCE[torch.bfloat16]

@@ -24,7 +24,12 @@ def run(ctx: PassContext) -> None:
         return
     dataflow = _dataflow_graph(ctx.graph)
     claimed: set[fx.Node] = set()  # nodes an earlier site swallows (a + b of two GEMMs, say)
+    claimed_outputs: set[fx.Node] = set()  # of those, the ones the fused op will produce
     for site in matched:
+        if site.prologue and site.x in claimed and site.x not in claimed_outputs:
+            _drop_prologue_inside_earlier_site(site, ctx)
+            if site.rule is None:
+                continue
         legal, why = _legal_prefix(site, nx.descendants(dataflow, site.anchor), claimed)
         if len(legal) < len(site.chain):
             site.notes.append(why)
@@ -34,6 +39,17 @@ def run(ctx: PassContext) -> None:
             _check_types(site)
         if site.rule is not None:
             claimed.update(node for step in site.chain for node in step.nodes)
+            claimed_outputs.add(site.output)
+
+
+def _drop_prologue_inside_earlier_site(site: GemmSite, ctx: PassContext) -> None:
+    """The prologue reads a value inside an earlier site's epilogue (a residual sum whose float cast the
+    site before took as its last step, say): the fused op would keep that value, and the GEMM under
+    it, alive. The site reads the prologue's result instead."""
+    names = ", ".join(step.name for step in site.prologue)
+    site.notes.append(f"prologue {names} not fused: its input {site.x.name} is inside an earlier site's epilogue")
+    site.drop_prologue()
+    choose_rule(site, ctx.rules)
 
 
 def _dataflow_graph(graph: fx.Graph) -> nx.DiGraph:
