@@ -11,7 +11,8 @@ earlier site's rewrite replaced, as in a decoder layer). Several programs share 
 (Inductor's C++ compile is paid once per batch, and sites must not disturb each other); a batch is
 static, dynamic through ``torch._dynamo.mark_dynamic`` on the token dimension, or compiled with
 ``dynamic=True`` (weights are then module parameters, whose shapes stay static), and a dynamic batch
-runs at two token counts.
+runs at two token counts. Some batches compile with Inductor padding unaligned GEMM rows, as it does on
+CUDA (forced on the CPU).
 
 Every output must have eager's dtype and shape and be as close to float64 as eager is; every GEMM the
 rules can anchor must be a site, which fuses at least the first step when that step is in the
@@ -27,11 +28,12 @@ the seed they are drawn from (default 0); a failure names the batch and each pro
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -49,6 +51,7 @@ NUM_PROGRAMS = int(os.environ.get("HELION_INDUCTOR_FUZZ_PROGRAMS", "300"))
 BASE_SEED = int(os.environ.get("HELION_INDUCTOR_FUZZ_SEED", "0"))
 BATCH_SIZE = 5  # programs per compiled graph: fewer compiles, yet a failure report stays readable
 CHAIN_PROBABILITY = 0.3  # that a program's GEMM reads the previous program's result
+PAD_MM_PROBABILITY = 0.5  # that a batch compiles with Inductor padding unaligned GEMM rows
 MAX_HELION_SIZE = BackendOptions().max_helion_size
 DTYPES = tuple(TOLERANCE)
 
@@ -287,9 +290,11 @@ class Batch:
     mode: str  # "static" | "mark_dynamic" | "dynamic" (torch.compile(dynamic=True))
     params: bool  # weights are module parameters rather than inputs of the compiled function
     tokens: tuple[int, ...]  # the token count (rows, or S of [B, S, K]) of each call
+    pad_mm: bool  # Inductor pads unaligned GEMM rows, as it does on CUDA (emulated on the CPU)
 
     def describe(self) -> str:
-        head = f"batch {self.index}: {self.mode}, weights as {'parameters' if self.params else 'inputs'}, tokens {self.tokens}"
+        head = (f"batch {self.index}: {self.mode}, weights as {'parameters' if self.params else 'inputs'}, "
+                f"tokens {self.tokens}{', pad_mm' if self.pad_mm else ''}")
         return "\n  ".join([head, *(p.describe() for p in self.programs)])
 
 
@@ -312,7 +317,27 @@ def random_batch(index: int) -> Batch:
         # specialized), and sometimes cross max_helion_size so that the token router is exercised.
         small = rng.sample([5, 6, 7, 9, 11, 13], 2)
         tokens = (small[0], 19 if rng.random() < 0.25 else small[1])
-    return Batch(index, programs, mode, params=mode == "dynamic" or rng.random() < 0.5, tokens=tokens)
+    params = mode == "dynamic" or rng.random() < 0.5
+    return Batch(index, programs, mode, params=params, tokens=tokens, pad_mm=rng.random() < PAD_MM_PROBABILITY)
+
+
+@contextlib.contextmanager
+def inductor_pads_rows(on: bool) -> Iterator[None]:
+    """Inductor's pad_mm as on CUDA: it pads an unaligned M (and K, N) and slices the product back. On the
+    CPU it never pads (it needs a GPU to time both ways), so there it is forced, through the checks that
+    keep it to GPUs; on CUDA it pads where its heuristics say so. The GPU fuzzer found three bugs of
+    the rewrite in that form."""
+    if not on or DEVICE.type == "cuda":
+        yield
+        return
+    from torch._inductor.fx_passes import pad_mm
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pad_mm, "check_device", lambda a, b: True)
+        patch.setattr(pad_mm, "has_triton", lambda: True)
+        # Past its memo of earlier decisions (made unforced, for the same shapes in other batches).
+        patch.setattr(pad_mm, "should_pad", lambda match, mat1, mat2, op, input=None: pad_mm.can_pad(mat1, mat2, op, input))
+        yield
 
 
 class _BatchModule(torch.nn.Module):
@@ -465,7 +490,8 @@ def test_random_programs_match_float64_like_eager(index: int, op_calls) -> None:
             a for w, t in zip(weight_args, inputs) for a in (*w, *(t[name] for name in TOKEN_INPUTS))
         ]
         reports_before, calls_before = len(helion_backend.get_reports()), op_calls.count
-        outputs = list(compiled(*args))
+        with inductor_pads_rows(batch.pad_mm):
+            outputs = list(compiled(*args))
         compiled_now = helion_backend.get_reports()[reports_before:]
         context = batch.describe() + "\n" + "\n".join(r.summary() for r in compiled_now)
         assert all(r.error is None for r in compiled_now), context

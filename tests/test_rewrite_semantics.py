@@ -210,24 +210,39 @@ def test_rows_padded_by_inductor_are_seen_through(op_calls):
     assert rel_err(out, fn(x.double(), w.double(), b.double())) < 1e-5
 
 
-@pytest.mark.parametrize("how", ["columns", "slice_elsewhere", "padded_addmm_input"])
-def test_other_paddings_are_not_seen_through(how, op_calls):
-    """Padding K, a slice that keeps other rows, or an addmm whose full-size input was padded too: the
-    GEMM is a site of the padded shape (or none of the epilogue past the slice fuses), never a wrong one."""
-    x, w, b, r = randn(10, 48), randn(48, 64), randn(64), randn(10, 64)
+@pytest.mark.parametrize("how", ["constant_pad", "cat_zeros"])
+def test_addmm_whose_input_was_padded_too_reads_it_unpadded(how, op_calls):
+    """pad_mm pads an addmm's [M, N] input with the rows (``cat`` with zeros): the site's residual is the
+    input before its padding, and a slice that drops the padded rows must stay inside the site."""
+    x, w, r = randn(10, 48), randn(48, 64), randn(10, 64)
 
-    def fn(x, w, b, r):
+    def fn(x, w, r):
+        zeros = torch.zeros(6, 64, dtype=r.dtype)
+        padded_r = torch.constant_pad_nd(r, [0, 0, 0, 6]) if how == "constant_pad" else torch.cat([r, zeros])
+        return torch.addmm(padded_r, torch.constant_pad_nd(x, [0, 0, 0, 6]), w)[:-6, :].tanh()
+
+    out, reports = compile_run(fn, x, w, r)
+    (site,) = sites(reports)
+    assert (site.m, site.epilogue) == (10, ["residual"]), site
+    assert op_calls.count == 1
+    assert rel_err(out, fn(x.double(), w.double(), r.double())) < 1e-5
+
+
+@pytest.mark.parametrize("how", ["columns", "slice_elsewhere"])
+def test_other_paddings_are_not_seen_through(how, op_calls):
+    """Padding K, or a slice that keeps other rows: the GEMM is a site of the padded shape (and none of
+    the epilogue past the slice fuses), never a wrong one."""
+    x, w, b = randn(10, 48), randn(48, 64), randn(64)
+
+    def fn(x, w, b):
         if how == "columns":
             return F.relu((torch.constant_pad_nd(x, [0, 8, 0, 6]) @ torch.constant_pad_nd(w, [0, 0, 0, 8]))[:10] + b)
-        if how == "slice_elsewhere":
-            return F.relu((torch.constant_pad_nd(x, [0, 0, 0, 6]) @ w)[2:12] + b)
-        padded_r = torch.constant_pad_nd(r, [0, 0, 0, 6])
-        return F.relu(torch.addmm(padded_r, torch.constant_pad_nd(x, [0, 0, 0, 6]), w)[:10] + b)
+        return F.relu((torch.constant_pad_nd(x, [0, 0, 0, 6]) @ w)[2:12] + b)
 
-    out, reports = compile_run(fn, x, w, b, r)
+    out, reports = compile_run(fn, x, w, b)
     (site,) = sites(reports)
-    assert site.m == 16 and site.epilogue in ([], ["residual"]), site
-    assert rel_err(out, fn(x.double(), w.double(), b.double(), r.double())) < 1e-5
+    assert site.m == 16 and site.epilogue == [], site
+    assert rel_err(out, fn(x.double(), w.double(), b.double())) < 1e-5
 
 
 def test_a_site_reading_earlier_sites_results_reads_the_fused_ones(op_calls, tmp_path):
@@ -249,3 +264,19 @@ def test_a_site_reading_earlier_sites_results_reads_the_fused_ones(op_calls, tmp
     (after,) = tmp_path.glob("*/after.py")
     assert "aten.mm" not in after.read_text()
     assert rel_err(out, fn(*(t.double() for t in args))) < 1e-5
+
+
+def test_a_site_whose_rule_stops_at_the_gemm_still_ends_past_the_unpadding_slice(op_calls):
+    """Found by the GPU fuzzer: an addmm with a bias on padded rows, then a step outside the vocabulary.
+    The rule keeps only the bias; cutting the chain there dropped the slice, so the fused op (real rows)
+    replaced the padded product and the slice after it removed real rows (Inductor failed to compile)."""
+    x, w, b, col = randn(5, 24), randn(24, 32), randn(32), randn(5, 1)
+
+    def fn(x, w, b, col):
+        return torch.addmm(b, torch.constant_pad_nd(x, [0, 0, 0, 3]), w)[:-3] + col
+
+    out, reports = compile_run(fn, x, w, b, col)
+    (site,) = sites(reports)
+    assert (site.m, site.epilogue) == (5, ["bias"]), site
+    assert op_calls.count == 1
+    assert rel_err(out, fn(x.double(), w.double(), b.double(), col.double())) < 1e-5

@@ -178,12 +178,14 @@ def _check(rule: Rule, site: GemmSite, names: list[str]) -> tuple[str | None, in
 
 
 def _cut(chain: list[Step], named_steps: int) -> list[Step]:
-    """The shortest prefix of ``chain`` holding ``named_steps`` vocabulary steps."""
-    if named_steps == 0:
-        return []
-    seen = 0
+    """The prefix of ``chain`` holding ``named_steps`` vocabulary steps and the transparent steps right
+    after them. Those are views of the value (a 3-D linear's reshape) or the slice that drops rows
+    padded for the GEMM: the kernel computes the unpadded rows, so the site must end past that slice."""
+    end = seen = 0
     for i, step in enumerate(chain):
-        seen += not step.transparent
-        if seen == named_steps:
-            return chain[: i + 1]
-    return chain
+        if not step.transparent:
+            if seen == named_steps:
+                break
+            seen += 1
+        end = i + 1
+    return chain[:end]

@@ -56,8 +56,11 @@ def _describe(node: fx.Node) -> GemmSite | str:
     anchor = Anchor(_OP_NAMES[node.target])
     x, rhs = node.args[1:3] if anchor is Anchor.ADDMM else node.args[:2]
     unpad = _row_padding(node, x) if anchor is not Anchor.SCALED_MM else None
+    addmm_input = node.args[0] if anchor is Anchor.ADDMM else None
     if unpad is not None:
         x = x.args[0]
+        if addmm_input is not None:
+            addmm_input = _unpadded_rows(addmm_input, val(x).shape[0]) or addmm_input
     x_val, rhs_val, out_val = val(x), val(rhs), val(node)
     if x_val is None or rhs_val is None or out_val is None:
         return "operands carry no shape metadata"
@@ -75,7 +78,7 @@ def _describe(node: fx.Node) -> GemmSite | str:
         anchor=node, forms=frozenset(forms), x=x, weight=weight, weight_layout=layout,
         m=m, k=k, n=n, dtype=x_val.dtype, device=x_val.device,
     )
-    leading = _leading_steps(anchor, node, val(unpad) if unpad is not None else out_val, n)
+    leading = _leading_steps(anchor, node, val(unpad) if unpad is not None else out_val, n, addmm_input)
     if isinstance(leading, str):
         return leading
     site.leading_steps = leading + ([Step("unpad", [unpad], transparent=True)] if unpad is not None else [])
@@ -85,9 +88,10 @@ def _describe(node: fx.Node) -> GemmSite | str:
     return site
 
 
-def _leading_steps(anchor: Anchor, node: fx.Node, out_val: torch.Tensor, n: int) -> list[Step] | str:
+def _leading_steps(anchor: Anchor, node: fx.Node, out_val: torch.Tensor, n: int,
+                   addmm_input: fx.Node | None) -> list[Step] | str:
     if anchor is Anchor.ADDMM:
-        step = _addmm_input_step(node, out_val, n)
+        step = _addmm_input_step(node, addmm_input, out_val, n)
         return step if isinstance(step, str) else [step]
     if anchor is Anchor.SCALED_MM:
         return _scaled_mm_steps(node, out_val, n)
@@ -100,22 +104,40 @@ def _row_padding(node: fx.Node, x: fx.Node) -> fx.Node | None:
     ``_int_mm`` callers pad M past 16 (cuBLAS needs it); on CUDA, Inductor's ``pad_mm`` pads an
     unaligned M to a multiple of 8 or 4. Padding rows only appends zero rows to the product, so the
     site multiplies the unpadded rows (M is the real num_tokens, and a Helion kernel copies nothing).
-    An ``addmm`` whose input was padded with the rows is left as it is.
+    An ``addmm`` whose [M, N] input was padded with zero rows too reads the input before its padding.
     """
-    if getattr(x, "target", None) is not aten.constant_pad_nd.default or len(node.users) != 1:
+    source = _unpadded_rows(x)
+    if source is None or len(node.users) != 1:
         return None
+    rows = val(source).shape[0]
     addmm_input = val(node.args[0]) if node.target is aten.addmm.default else None
     if addmm_input is not None and addmm_input.ndim == 2 and addmm_input.shape[0] != 1:
-        return None
-    pad = list(x.args[1])
-    value = x.args[2] if len(x.args) > 2 else 0
+        if _unpadded_rows(node.args[0], rows) is None:
+            return None
     (user,) = node.users
-    source = val(x.args[0])
-    if source is None or value != 0 or len(pad) != 4 or pad[:3] != [0, 0, 0]:
-        return None
-    if user.target is not aten.slice.Tensor or not _keeps_first_rows(user, source.shape[0]):
+    if user.target is not aten.slice.Tensor or not _keeps_first_rows(user, rows):
         return None
     return user
+
+
+def _unpadded_rows(padded: fx.Node, rows: int | None = None) -> fx.Node | None:
+    """The tensor ``padded`` appends zero rows to (``constant_pad_nd(t, [0, 0, 0, p])``, or pad_mm's
+    ``cat([t, zeros])``), if it is one; with ``rows``, only a tensor of that many rows."""
+    source = None
+    if getattr(padded, "target", None) is aten.constant_pad_nd.default:
+        pad, value = list(padded.args[1]), padded.args[2] if len(padded.args) > 2 else 0
+        if value == 0 and len(pad) == 4 and pad[:3] == [0, 0, 0]:
+            source = padded.args[0]
+    elif getattr(padded, "target", None) is aten.cat.default and (padded.args[1] if len(padded.args) > 1
+                                                                   else padded.kwargs.get("dim", 0)) == 0:
+        parts = padded.args[0]
+        zeros = parts[1] if len(parts) == 2 else None
+        if getattr(zeros, "target", None) is aten.full.default and zeros.args[1] == 0:
+            source = parts[0]
+    source_val = val(source) if isinstance(source, fx.Node) else None
+    if source_val is None or source_val.ndim != 2 or (rows is not None and source_val.shape[0] != rows):
+        return None
+    return source
 
 
 def _keeps_first_rows(slice_node: fx.Node, rows: int) -> bool:
@@ -225,10 +247,10 @@ def _see_through_transpose(rhs: fx.Node) -> tuple[fx.Node, str]:
     return rhs, "kn"
 
 
-def _addmm_input_step(node: fx.Node, out_val: torch.Tensor, n: int) -> Step | str:
+def _addmm_input_step(node: fx.Node, bias: fx.Node, out_val: torch.Tensor, n: int) -> Step | str:
+    """The step ``addmm``'s own input makes (``bias``: that input, before any row padding)."""
     if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
         return "addmm with beta or alpha other than 1"
-    bias = node.args[0]
     kind = operand_kind(bias, out_val, n)
     if kind is Operand.ROW:
         return Step("bias", [node], operand=bias)
