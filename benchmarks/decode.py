@@ -731,6 +731,9 @@ def merge_results(paths: Sequence[Path], out_dir: Path) -> Path:
     for data in shards:
         for row in data["rows"]:
             rows[(row["format"], row["batch"], row["variant"])] = row
+    ran = {f"{fmt} batch={batch} {variant}" for fmt, batch, variant in rows}
+    skipped = [label for data in shards for label in data["metadata"]["skipped"] if label not in ran]
+
     def union(key: str) -> list:
         return list(dict.fromkeys(item for data in shards for item in data["metadata"][key]))
 
@@ -742,8 +745,8 @@ def merge_results(paths: Sequence[Path], out_dir: Path) -> Path:
         "tolerances": {k: v for data in shards for k, v in data["metadata"]["tolerances"].items()},
         "base_tolerances": {k: v for data in shards for k, v in data["metadata"]["base_tolerances"].items()},
         "merged_from": [data["metadata"]["command"] for data in shards],
-        "skipped": [label for data in shards for label in data["metadata"]["skipped"]],
-        "complete": all(data["metadata"]["complete"] for data in shards),
+        "skipped": list(dict.fromkeys(skipped)),  # a row a later shard ran is not skipped
+        "complete": not skipped,
         "helion_reports": {k: v for data in shards for k, v in data["metadata"].get("helion_reports", {}).items()},
         "lm_head": {k: v for data in shards for k, v in data["metadata"].get("lm_head", {}).items()},
     }
