@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -23,8 +24,18 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.decode import (  # noqa: E402
-    FORMATS, QWEN3_8B, VARIANTS, BASE_FORMAT, FLOAT_FORMATS, DecodeInputs, build_model, compile_variant,
-    configure_dynamo, make_format_model, model_step, release_memory,
+    BASE_FORMAT,
+    FLOAT_FORMATS,
+    FORMATS,
+    QWEN3_8B,
+    VARIANTS,
+    DecodeInputs,
+    build_model,
+    compile_variant,
+    configure_dynamo,
+    make_format_model,
+    model_step,
+    release_memory,
 )
 
 
@@ -80,9 +91,9 @@ def main(argv: Sequence[str]) -> None:
     with torch.no_grad():
         for variant in args.variants.split(","):
             step = model_step(compile_variant(variant, model, device), variant)
-            for _ in range(5):
-                step(inputs.tokens_a, inputs.pos_a)
-            run_step = lambda: step(inputs.tokens_a, inputs.pos_a)  # noqa: E731
+            run_step = functools.partial(step, inputs.tokens_a, inputs.pos_a)
+            for _ in range(5):  # cudagraph trees warm up, record, then replay
+                run_step()
             lines += kernel_table(variant, run_step, args.steps, args.top)
             if args.timeline:
                 lines += kernel_timeline(variant, run_step)

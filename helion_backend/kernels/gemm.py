@@ -153,6 +153,24 @@ def num_k_splits(k: int, split_k: int) -> int:
     return helion.cdiv(k, helion.cdiv(helion.cdiv(k, split_k), 256) * 256)
 
 
+def split_k_target(out: torch.Tensor, k: int, split_k: int) -> torch.Tensor:
+    """Where a GEMM kernel writes: ``out`` seen as [1, M, N], or with ``split_k > 1`` a fresh fp32
+    workspace [splits, M, N] for the partial sums (every split writes its whole slice: no zero fill)."""
+    if split_k == 1:
+        return out.unsqueeze(0)
+    m, n = out.shape
+    return torch.empty((num_k_splits(k, split_k), m, n), dtype=torch.float32, device=out.device)
+
+
+def finish_split_k(target: torch.Tensor, out: torch.Tensor, split_k: int, sig: Signature,
+                   operands: list[torch.Tensor], scalars: list[float], epilogue: TileEpilogue) -> torch.Tensor:
+    """``out``; after a split GEMM, first the sum of ``target``'s partial sums through the epilogue."""
+    if split_k > 1:
+        args = (target, out, operands, scalars, epilogue)
+        compiled_kernel(epilogue_kernel, args, sig, EPILOGUE_CONFIG, target.shape[0])(*args)
+    return out
+
+
 def tile_epilogue(steps: tuple[str, ...]) -> TileEpilogue:
     """The device-side epilogue for ``steps``; only ``steps`` is in its closure, so Helion keys it by value."""
 
@@ -332,11 +350,7 @@ def gemm_epilogue_helion(
         norm_args = (x, weight, spec.eps, w_kn, workspace, operands, scalars,
                      norm_module.round_dtype(spec, x.dtype), epilogue)
         compiled_kernel(rmsnorm_gemm_kernel, norm_args, sig, norm_kernel_config(config), splits)(*norm_args)
-    if split_k == 1:
-        return out
-    finish_args = (gemm_args[2], out, operands, scalars, epilogue)
-    compiled_kernel(epilogue_kernel, finish_args, sig, EPILOGUE_CONFIG, splits)(*finish_args)
-    return out
+    return finish_split_k(gemm_args[2], out, split_k, sig, operands, scalars, epilogue)
 
 
 def gemm_kernel_args(
@@ -348,14 +362,8 @@ def gemm_kernel_args(
     epilogue: TileEpilogue,
     split_k: int,
 ) -> tuple[object, ...]:
-    """:func:`gemm_kernel`'s arguments at this split: ``out`` seen as [1, M, N], or with ``split_k > 1`` a
-    fresh fp32 workspace [splits, M, N] for the partial sums (every split writes its whole slice, so it
-    needs no zero fill)."""
-    if split_k == 1:
-        return (x, w_kn, out.unsqueeze(0), operands, scalars, epilogue)
-    (m, k), n = x.shape, w_kn.shape[1]
-    partial_sums = torch.empty((num_k_splits(k, split_k), m, n), dtype=torch.float32, device=x.device)
-    return (x, w_kn, partial_sums, operands, scalars, epilogue)
+    """:func:`gemm_kernel`'s arguments at this split (its target: :func:`split_k_target`)."""
+    return (x, w_kn, split_k_target(out, x.shape[1], split_k), operands, scalars, epilogue)
 
 
 def glu_gemm_helion(

@@ -47,15 +47,15 @@ from ..vocabulary import (
     QUANT_DTYPES,
     SUPPORTED_DTYPES,
 )
-from .configs import EPILOGUE_CONFIG, PREQUANTIZE, config_for
+from .configs import PREQUANTIZE, config_for
 from .gemm import (
     Layout,
     Signature,
     check_family_steps,
     check_operands,
     compiled_kernel,
-    epilogue_kernel,
-    num_k_splits,
+    finish_split_k,
+    split_k_target,
     tile_epilogue,
 )
 
@@ -288,19 +288,13 @@ def quant_gemm_helion(
     epilogue = tile_epilogue(steps)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     split_k = config.get("split_k", 1)
-    target = out.unsqueeze(0) if split_k == 1 else torch.empty(
-        (num_k_splits(k, split_k), m, n), dtype=torch.float32, device=x.device
-    )
+    target = split_k_target(out, k, split_k)
     if program is not None:
         kernel, args = quant_gemm_kernel, (x, w_kn, target, operands, scalars, *program_functions(program), epilogue)
     else:
         kernel, args = lowp_gemm_kernel, (x, w_kn, target, operands, scalars, epilogue)
     compiled_kernel(kernel, args, (sig, program), config, target.shape[0])(*args)
-    if split_k == 1:
-        return out
-    finish_args = (target, out, operands, scalars, epilogue)
-    compiled_kernel(epilogue_kernel, finish_args, sig, EPILOGUE_CONFIG, target.shape[0])(*finish_args)
-    return out
+    return finish_split_k(target, out, split_k, sig, operands, scalars, epilogue)
 
 
 @functools.cache  # on every launch
@@ -358,17 +352,11 @@ def int4_gemm_helion(
     epilogue = tile_epilogue(steps)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     split_k = config.get("split_k", 1)
-    target = out.unsqueeze(0) if split_k == 1 else torch.empty(
-        (num_k_splits(k // 2, split_k), m, n), dtype=torch.float32, device=x.device
-    )
+    target = split_k_target(out, k // 2, split_k)
     scales_kn = group_scales.t()
     args = (x[:, 0::2], x[:, 1::2], packed_kn, scales_kn, target, operands, scalars, epilogue)
     compiled_kernel(int4_gemm_kernel, args, (sig, Layout.of(scales_kn)), config, target.shape[0])(*args)
-    if split_k == 1:
-        return out
-    finish_args = (target, out, operands, scalars, epilogue)
-    compiled_kernel(epilogue_kernel, finish_args, sig, EPILOGUE_CONFIG, target.shape[0])(*finish_args)
-    return out
+    return finish_split_k(target, out, split_k, sig, operands, scalars, epilogue)
 
 
 def _check_int4_inputs(x: torch.Tensor, packed_kn: torch.Tensor, group_scales: torch.Tensor) -> None:
@@ -411,18 +399,12 @@ def block_fp8_gemm_helion(
     epilogue = tile_epilogue(steps)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     split_k = config.get("split_k", 1)
-    target = out.unsqueeze(0) if split_k == 1 else torch.empty(
-        (num_k_splits(k, split_k), m, n), dtype=torch.float32, device=x.device
-    )
+    target = split_k_target(out, k, split_k)
     scales_kn = block_scales.t()
     args = (x, w_kn, scales_kn, target, operands, scalars, *program_functions(program), epilogue)
     key = (sig, Layout.of(scales_kn), program)
     compiled_kernel(block_fp8_gemm_kernel, args, key, config, target.shape[0])(*args)
-    if split_k == 1:
-        return out
-    finish_args = (target, out, operands, scalars, epilogue)
-    compiled_kernel(epilogue_kernel, finish_args, sig, EPILOGUE_CONFIG, target.shape[0])(*finish_args)
-    return out
+    return finish_split_k(target, out, split_k, sig, operands, scalars, epilogue)
 
 
 @functools.cache  # on every launch

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from .context import PassContext
 
-
 ALSO_RUNS_NOTE = "the unfused GEMM runs as well"
 
 

@@ -143,7 +143,8 @@ def _unpadded_rows(padded: fx.Node, rows: int | None = None) -> fx.Node | None:
 def _keeps_first_rows(slice_node: fx.Node, rows: int) -> bool:
     """``slice_node`` is ``t[:rows]`` of its input, spelled with a positive end (``[:m]``), a negative
     one (``[:-pad]``, as pad_mm writes it) or an end clamped to the size."""
-    dim, start, end, step = (list(slice_node.args[1:]) + [0, 0, None, 1][len(slice_node.args) - 1:])[:4]
+    given = list(slice_node.args[1:])
+    dim, start, end, step = given + [0, 0, None, 1][len(given):]  # aten.slice's defaults for what is left out
     padded = val(slice_node.args[0])
     if padded is None or dim != 0 or start != 0 or step != 1 or not isinstance(end, int):
         return False
