@@ -2,6 +2,7 @@
 
     python benchmarks/sweep_gemm_configs.py [--m 1,4,16,32] [--suite qwen3_8b] [--budget-min 4]
     python benchmarks/sweep_gemm_configs.py --kernel gemm_fp8 --m 1,16      # a quantized kernel family
+    python benchmarks/sweep_gemm_configs.py --kernel gemm_multi --m 1,8,32  # q, k and v in one launch
 
 Each candidate runs the fused kernel (bias + GELU-tanh epilogue) under CUDA-graph replay, cycling
 through enough weight copies to defeat the L2, exactly as the benchmark times it; the fastest
@@ -39,7 +40,9 @@ from helion_backend import dispatch
 from helion_backend.kernels import configs
 from helion_backend.kernels.configs import PREQUANTIZE
 from helion_backend.kernels.gemm import gemm_epilogue_helion
+from helion_backend.kernels.multi_gemm import multi_gemm_helion
 from helion_backend.kernels.quant_gemm import block_fp8_gemm_helion, int4_gemm_helion, quant_gemm_helion
+from helion_backend.norm import RmsNormSpec, rms_norm
 from helion_backend.passes.trace import trace_sites
 from helion_backend.quantize import QUANT_FORMATS
 from helion_backend.timing import copies_to_defeat_l2, time_callable_us
@@ -53,7 +56,7 @@ from helion_backend.tuning import (
     reference_f64,
     table_metadata,
 )
-from helion_backend.vocabulary import FP8_BLOCK, FP8_BLOCK_FAMILY, INT4_FAMILY
+from helion_backend.vocabulary import FP8_BLOCK, FP8_BLOCK_FAMILY, INT4_FAMILY, MULTI_GEMM_FAMILY
 
 STEPS = ("bias", "gelu_tanh")
 # Quantized families: the helion_backend.quantize format whose layers they run.
@@ -145,6 +148,49 @@ def sweep_key(kernel: str, k: int, n: int, m: int, device: torch.device) -> dict
     if kernel == "gemm":
         return sweep_bf16_key(k, n, m, device)
     return sweep_quant_key(kernel, k, n, m, device)
+
+
+def sibling_groups(suite: str) -> list[tuple[int, tuple[int, ...]]]:
+    """(K, widths) of the suite's decoder q, k and v: the launch the ``gemm_multi`` family runs."""
+    by_name = {shape.name: shape for shape in SUITES[suite]}
+    q, kv = by_name.get("q_o", by_name.get("q")), by_name.get("kv")
+    return [] if q is None or kv is None else [(q.k, (q.n, kv.n, kv.n))]
+
+
+def sweep_multi_key(k: int, widths: tuple[int, ...], m: int, device: torch.device) -> dict:
+    """q, k and v of RMS-normalized rows (a decoder's input norm, Hugging Face's spelling) in one launch, per
+    candidate, against the three single-site Helion kernels with their table configs (the backend with
+    ``merge_siblings`` off) and against torch.compile default of the norm and three linears."""
+    spec = RmsNormSpec(1e-6, round_before_weight=True)
+    copies = copies_to_defeat_l2(k * sum(widths) * 2, device)
+    xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+    norms = [torch.randn(k, device=device, dtype=torch.bfloat16) * 0.1 + 1 for _ in range(copies)]
+    weights = [[torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5 for n in widths] for _ in range(copies)]
+    steps = [()] * len(widths)
+    timer = functools.partial(time_callable_us, config=TIMING, device=device)
+
+    def run(config: helion.Config, i: int) -> list[torch.Tensor]:
+        j = i % copies
+        return multi_gemm_helion(xs[j], [w.t() for w in weights[j]], steps, [], [], torch.bfloat16, config,
+                                 norm=(norms[j], spec))
+
+    def separate(i: int) -> list[torch.Tensor]:
+        j = i % copies
+        return [gemm_epilogue_helion(xs[j], w.t(), (), [], [], torch.bfloat16, norm=(norms[j], spec))
+                for w in weights[j]]
+
+    rows = rms_norm(xs[0], norms[0], spec).double()
+    reference = [rows @ w.double().t() for w in weights[0]]
+    candidates = [c for c in candidate_configs(m, sum(widths)) if c["split_k"] == 1]
+    best = fastest_valid(candidates, run, reference, timer)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, nw, ws: [F.linear(rms_norm(x, nw, spec), w) for w in ws])
+    fallback_us = timer(lambda i: compiled(xs[i % copies], norms[i % copies], weights[i % copies]))
+    separate_us = timer(separate)
+    return {"kernel": MULTI_GEMM_FAMILY, "dtype": "bfloat16", "k": k, "n": sum(widths), "m": m,
+            "widths": list(widths), "config": dict(best.config), "us": round(best.us, 2),
+            "candidates": len(candidates), "separate_us": round(separate_us, 2), "fallback_us": round(fallback_us, 2),
+            "helion_wins": best.us < fallback_us}
 
 
 def sweep_bf16_key(k: int, n: int, m: int, device: torch.device) -> dict | None:
@@ -241,7 +287,8 @@ def _channel_scale(layer: torch.nn.Module) -> torch.Tensor:
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--m", default="1,4,16,32", help="comma list of M values")
-    parser.add_argument("--kernel", default="gemm", choices=["gemm", *QUANT_FAMILIES], help="kernel family")
+    parser.add_argument("--kernel", default="gemm", choices=["gemm", MULTI_GEMM_FAMILY, *QUANT_FAMILIES],
+                        help="kernel family (gemm_multi: a decoder's q, k and v in one launch, after an RMSNorm)")
     parser.add_argument("--suite", default=",".join(SUITES), help="comma list of suites")
     parser.add_argument("--budget-min", type=float, default=0, help="start no new key after this long")
     parser.add_argument("--out-dir", type=Path, help="also write the table here")
@@ -251,25 +298,31 @@ def main(argv: list[str]) -> None:
     tune_log = logging.getLogger("helion_backend.tuning")
     tune_log.setLevel(logging.INFO)
     tune_log.addHandler(logging.StreamHandler(sys.stdout))
-    shapes = sorted({(s.k, s.n) for suite in args.suite.split(",") for s in SUITES[suite]})
     ms = [int(m) for m in args.m.split(",")]
+    if args.kernel == MULTI_GEMM_FAMILY:
+        groups = sorted({group for suite in args.suite.split(",") for group in sibling_groups(suite)})
+        keys = [(k, widths, m) for k, widths in groups for m in ms]
+    else:
+        shapes = sorted({(s.k, s.n) for suite in args.suite.split(",") for s in SUITES[suite]})
+        keys = [(k, n, m) for k, n in shapes for m in ms]
     path = configs.TUNED_DIR / f"{configs.gpu_key(device)}.json"
     table = ConfigTable.load(path, shlex.join(sys.orig_argv))  # a sweep updates the table, key by key
     metadata = {**table_metadata(device), "epilogue": list(STEPS)}
     start = time.monotonic()
-    for k, n in shapes:
-        for m in ms:
-            if args.budget_min and time.monotonic() - start > 60 * args.budget_min:
-                print(f"budget spent: K={k} N={n} M={m} not swept")
-                continue
-            entry = sweep_key(args.kernel, k, n, m, device)
-            if entry is None:
-                continue
-            table.put(entry, metadata)
-            print(f"best {args.kernel} K={k} N={n} M={m}: {entry['config']} {entry['us']} us "
-                  f"(torch.compile {entry['fallback_us']} us)")
-            if args.out_dir:
-                (args.out_dir / path.name).write_text(path.read_text())
+    for k, n, m in keys:
+        if args.budget_min and time.monotonic() - start > 60 * args.budget_min:
+            print(f"budget spent: K={k} N={n} M={m} not swept")
+            continue
+        multi = args.kernel == MULTI_GEMM_FAMILY
+        entry = sweep_multi_key(k, n, m, device) if multi else sweep_key(args.kernel, k, n, m, device)
+        if entry is None:
+            continue
+        table.put(entry, metadata)
+        separate = f", one launch per GEMM {entry['separate_us']} us" if multi else ""
+        print(f"best {args.kernel} K={k} N={n} M={m}: {entry['config']} {entry['us']} us "
+              f"(torch.compile {entry['fallback_us']} us{separate})")
+        if args.out_dir:
+            (args.out_dir / path.name).write_text(path.read_text())
     print(f"{len(table.entries)} keys in the table after {time.monotonic() - start:.0f} s -> {path}")
 
 

@@ -7,12 +7,19 @@ import gc
 import importlib.util
 import logging
 import traceback
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 import torch
 
 from . import report
-from .epilogue import apply_epilogue, operand_kinds, parse_epilogue, parse_prologue
+from .epilogue import (
+    apply_epilogue,
+    operand_kinds,
+    parse_epilogue,
+    parse_epilogues,
+    parse_prologue,
+    split_per_output,
+)
 from .norm import RmsNormSpec, parse_spec, rms_norm
 from .quant_program import QuantProgram, parse_program, quantize_rows
 from .vocabulary import (
@@ -27,6 +34,7 @@ from .vocabulary import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # (site, M) -> why its Helion kernel failed; those calls run the reference from then on.
 _FAILED: dict[tuple[str, int], str] = {}
@@ -100,20 +108,14 @@ def run_gemm_epilogue(
     w_kn = weight_kn(weight, weight_layout)
     up_kn = weight_kn(up_weight, up_layout) if up_weight is not None else None
     flat = flatten_operands(operands, steps, w_kn.shape[1])
-    m = x.shape[0]
-    if x.is_cuda and m <= max_helion_m and helion_unavailable_reason() is None and (site, m) not in _FAILED:
+    if _runs_helion(x, max_helion_m, site):
         from .kernels import run_kernel
 
-        try:
-            return run_kernel(kernel, x, w_kn, steps, flat, scalars, out_dtype, config_dir or None, program, up_kn,
-                              weight_scale=weight_scale, norm=norm)
-        except Exception as e:  # a kernel that cannot compile or launch must not fail the model
-            failure = _describe_failure(e)
-            # The failed call's frames hold the output it had allocated, and a log record that keeps the
-            # traceback (Helion's, or a test's log capture) would keep them alive: under CUDA graph trees
-            # that output sits in the graph's memory pool, untracked. Drop their locals.
-            _clear_frames(e)
-        _fall_back(site, m, failure)
+        fused = _try_helion(site, x.shape[0], lambda: run_kernel(
+            kernel, x, w_kn, steps, flat, scalars, out_dtype, config_dir or None, program, up_kn,
+            weight_scale=weight_scale, norm=norm))
+        if fused is not None:
+            return fused
     if int4:
         w_kn = dequantize_int4(weight, weight_scale, x.dtype).t()
     elif block_fp8:
@@ -122,6 +124,64 @@ def run_gemm_epilogue(
     if norm is not None:
         x = rms_norm(x, *norm)
     return reference(x, w_kn, steps, flat, scalars, out_dtype, program, up_kn)
+
+
+def run_multi_gemm_epilogue(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    weight_layouts: str,
+    operands: Sequence[torch.Tensor],
+    scalars: Sequence[float],
+    epilogues: str,
+    out_dtype: torch.dtype,
+    max_helion_m: int,
+    config_dir: str = "",
+    site: str = "",
+    norm_weight: torch.Tensor | None = None,
+    norm_spec: str = "",
+) -> list[torch.Tensor]:
+    """The ``multi_gemm_epilogue`` op: one Helion launch for every output, or the reference of each."""
+    steps = parse_epilogues(epilogues)
+    layouts = weight_layouts.split(",")
+    if not len(weights) == len(layouts) == len(steps):
+        raise ValueError(f"{len(weights)} weights need as many layouts and epilogues, got {weight_layouts!r} "
+                         f"and {epilogues!r}")
+    norm = _norm((RMSNORM,) if norm_weight is not None or norm_spec else (), norm_weight, norm_spec)
+    w_kns = [weight_kn(w, layout) for w, layout in zip(weights, layouts)]
+    per_output = [(flatten_operands(ops, s, w.shape[1]), scs)
+                  for w, s, (ops, scs) in zip(w_kns, steps, split_per_output(steps, operands, scalars))]
+    if _runs_helion(x, max_helion_m, site):
+        from .kernels import multi_gemm_helion
+
+        flat = [op for ops, _ in per_output for op in ops]
+        fused = _try_helion(site, x.shape[0], lambda: multi_gemm_helion(
+            x, w_kns, steps, flat, scalars, out_dtype, config_dir=config_dir or None, norm=norm))
+        if fused is not None:
+            return fused
+    if norm is not None:
+        x = rms_norm(x, *norm)
+    return [reference(x, w, s, ops, scs, out_dtype) for w, s, (ops, scs) in zip(w_kns, steps, per_output)]
+
+
+def _runs_helion(x: torch.Tensor, max_helion_m: int, site: str) -> bool:
+    """Whether this call's rows go to the Helion kernel (else to the reference)."""
+    m = x.shape[0]
+    return x.is_cuda and m <= max_helion_m and helion_unavailable_reason() is None and (site, m) not in _FAILED
+
+
+def _try_helion(site: str, m: int, launch: Callable[[], T]) -> T | None:
+    """``launch()``; None when the kernel cannot compile or launch (the model must not fail: the caller runs
+    the reference, and this site does at this M from now on)."""
+    try:
+        return launch()
+    except Exception as e:
+        failure = _describe_failure(e)
+        # The failed call's frames hold the output it had allocated, and a log record that keeps the
+        # traceback (Helion's, or a test's log capture) would keep them alive: under CUDA graph trees
+        # that output sits in the graph's memory pool, untracked. Drop their locals.
+        _clear_frames(e)
+    _fall_back(site, m, failure)
+    return None
 
 
 def _check_weight_dequant(prologue: tuple[str, ...], weight_layout: str, weight_scale: torch.Tensor | None,

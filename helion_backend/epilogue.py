@@ -8,11 +8,13 @@ read a scalar take the next entry of ``scalars``, both in step order.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import torch
 
 from .vocabulary import ACTIVATIONS, EPILOGUE_STEPS, PROLOGUE_STEPS, Operand
+
+T = TypeVar("T")
 
 # fp32 formulas for the activations, written with the elementary ops that both eager PyTorch and
 # Helion's device code lower (so one definition serves the reference and the kernel).
@@ -69,6 +71,36 @@ def _parse_steps(spec: str, vocabulary: dict, what: str) -> tuple[str, ...]:
 def format_steps(steps: Sequence[str]) -> str:
     """How the fused op carries a prologue or an epilogue: step names joined by commas."""
     return ",".join(steps)
+
+
+# Between the outputs' epilogues where one op carries several (``"bias;;residual"``: three outputs).
+OUTPUT_SEPARATOR = ";"
+
+
+def format_epilogues(epilogues: Sequence[Sequence[str]]) -> str:
+    return OUTPUT_SEPARATOR.join(map(format_steps, epilogues))
+
+
+@functools.cache
+def parse_epilogues(spec: str) -> tuple[tuple[str, ...], ...]:
+    return tuple(parse_epilogue(part) for part in spec.split(OUTPUT_SEPARATOR))
+
+
+def split_per_output(
+    epilogues: Sequence[Sequence[str]], operands: Sequence[T], scalars: Sequence[float]
+) -> list[tuple[list[T], list[float]]]:
+    """Each output's tensor operands and scalars, from lists that hold every output's in turn; refuses
+    counts that differ from what the epilogues read."""
+    per_output, next_operand, next_scalar = [], 0, 0
+    for steps in epilogues:
+        n_operands, n_scalars = len(operand_kinds(steps)), num_scalars(steps)
+        per_output.append((list(operands[next_operand:next_operand + n_operands]),
+                           list(scalars[next_scalar:next_scalar + n_scalars])))
+        next_operand, next_scalar = next_operand + n_operands, next_scalar + n_scalars
+    if (next_operand, next_scalar) != (len(operands), len(scalars)):
+        raise ValueError(f"epilogues {[list(s) for s in epilogues]} read {next_operand} tensor operand(s) and "
+                         f"{next_scalar} scalar(s), got {len(operands)} and {len(scalars)}")
+    return per_output
 
 
 TENSOR_OPERANDS = (Operand.ROW, Operand.COL, Operand.ELEMENT, Operand.FULL)

@@ -30,7 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from .jsonfile import write_json_atomic
-from .vocabulary import EPILOGUE_STEPS, KERNEL_FAMILIES, RULE_DTYPES
+from .vocabulary import EPILOGUE_STEPS, KERNEL_FAMILIES, MULTI_GEMM_FAMILY, RULE_DTYPES
+
+# The families a compile may send sites to: the rules' and the shared launch of sites of one activation.
+MANIFEST_KERNELS = (*KERNEL_FAMILIES, MULTI_GEMM_FAMILY)
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +98,8 @@ class ManifestSite:
         if not (isinstance(epilogue, list) and all(isinstance(s, str) for s in epilogue)
                 and set(epilogue) <= EPILOGUE_STEPS.keys()):
             raise ValueError(f"'epilogue' must list steps of {sorted(EPILOGUE_STEPS)}, got {epilogue!r}")
-        if data["kernel"] not in KERNEL_FAMILIES:
-            raise ValueError(f"unknown kernel {data['kernel']!r}; valid: {list(KERNEL_FAMILIES)}")
+        if data["kernel"] not in MANIFEST_KERNELS:
+            raise ValueError(f"unknown kernel {data['kernel']!r}; valid: {list(MANIFEST_KERNELS)}")
         if not isinstance(data["dtype"], str) or data["dtype"] not in RULE_DTYPES:
             raise ValueError(f"unknown dtype {data['dtype']!r}; valid: {sorted(RULE_DTYPES)}")
         if not isinstance(data["m"], list):

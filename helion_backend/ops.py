@@ -1,7 +1,8 @@
-"""The fused GEMM + epilogue custom op that the rewrite inserts.
+"""The fused GEMM + epilogue custom ops that the rewrite inserts.
 
-One functional op for every site: Inductor treats it as an extern call, so whatever runs inside it
-(a Helion kernel on CUDA, the reference composite elsewhere) is chosen by :mod:`.dispatch`. The
+One functional op for every site, and one for sites that share a launch: Inductor treats each as an
+extern call, so whatever runs inside (a Helion kernel on CUDA, the reference composite elsewhere) is
+chosen by :mod:`.dispatch`. The
 rewrite runs on the post-grad graph, after AOTAutograd has split forward and backward, so the op
 never needs a derivative formula (an eager call under autograd is refused by PyTorch, as for any
 custom op without one).
@@ -65,3 +66,39 @@ def _(x, weight, weight_layout, weight_scale, up_weight, up_layout, prologue, qu
       epilogue, out_dtype, kernel, max_helion_m, config_dir, site, norm_weight=None, norm_spec=""):
     n = weight.shape[0] if weight_layout == "nk" else weight.shape[1]
     return x.new_empty((x.shape[0], n), dtype=out_dtype)
+
+
+@torch.library.custom_op(f"{OP_NAMESPACE}::multi_gemm_epilogue", mutates_args=())
+def multi_gemm_epilogue(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    weight_layouts: str,
+    operands: list[torch.Tensor],
+    scalars: list[float],
+    epilogues: str,
+    out_dtype: torch.dtype,
+    max_helion_m: int,
+    config_dir: str,
+    site: str,
+    norm_weight: torch.Tensor | None = None,
+    norm_spec: str = "",
+) -> list[torch.Tensor]:
+    """``[epilogue_i(x @ weights[i])]``: GEMMs of one activation (a decoder's q, k and v), one launch.
+
+    ``weight_layouts`` holds each weight's layout ("kn" or "nk"), comma-joined; ``epilogues`` each
+    output's epilogue steps, joined by :data:`~helion_backend.epilogue.OUTPUT_SEPARATOR`; ``operands``
+    and ``scalars`` every output's in turn. With ``norm_weight`` and ``norm_spec`` (as in
+    :func:`gemm_epilogue`) x is an RMSNorm's input and every GEMM multiplies the normalized rows. The
+    other arguments are :func:`gemm_epilogue`'s.
+    """
+    return dispatch.run_multi_gemm_epilogue(
+        x, weights, weight_layouts, operands, scalars, epilogues, out_dtype, max_helion_m, config_dir, site,
+        norm_weight, norm_spec,
+    )
+
+
+@multi_gemm_epilogue.register_fake
+def _(x, weights, weight_layouts, operands, scalars, epilogues, out_dtype, max_helion_m, config_dir, site,
+      norm_weight=None, norm_spec=""):
+    widths = [w.shape[0] if layout == "nk" else w.shape[1] for w, layout in zip(weights, weight_layouts.split(","))]
+    return [x.new_empty((x.shape[0], n), dtype=out_dtype) for n in widths]

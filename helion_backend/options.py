@@ -26,6 +26,11 @@ class BackendOptions:
     """Load the rule files shipped in ``rules/``."""
     max_helion_size: int = 32
     """Largest M (num_tokens) a site runs through Helion; larger M keeps cuBLAS and Inductor."""
+    rmsnorm_prologue_max_m: int = 8
+    """Largest static M whose GEMM takes an RMSNorm into its prologue: each output tile re-reads its rows
+    to normalize them, which at larger M costs more than the norm's own kernel (H200 decode step)."""
+    merge_siblings: bool = True
+    """Run GEMM sites that read the same activation (a decoder's q, k and v) in one Helion launch."""
     rewrite_on_cpu: bool = False
     """Rewrite CPU graphs too (they then run the reference implementation); for tests and inspection."""
     cudagraphs: bool | None = None
@@ -59,8 +64,10 @@ class BackendOptions:
     def _check_types(self) -> None:
         expected = {
             "builtin_rules": bool,
+            "merge_siblings": bool,
             "rewrite_on_cpu": bool,
             "max_helion_size": int,
+            "rmsnorm_prologue_max_m": int,
         }
         for name, typ in expected.items():
             value = getattr(self, name)

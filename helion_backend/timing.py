@@ -18,7 +18,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -118,10 +118,12 @@ def copies_to_defeat_l2(nbytes: int, device: torch.device) -> int:
     return max(1, math.ceil(2 * l2_bytes / nbytes))
 
 
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """Relative Frobenius error ||out - ref|| / ||ref||, computed in float64 (NaN stays NaN)."""
-    ref = ref.double()
-    return (torch.linalg.vector_norm(out.double() - ref) / torch.linalg.vector_norm(ref)).item()
+def relative_error(out: torch.Tensor | Sequence[torch.Tensor], ref: torch.Tensor | Sequence[torch.Tensor]) -> float:
+    """Relative Frobenius error ||out - ref|| / ||ref||, computed in float64 (NaN stays NaN); of several
+    outputs (one launch's), over all of them."""
+    outs, refs = (out, ref) if isinstance(out, (list, tuple)) else ([out], [ref])
+    error = sum(torch.linalg.vector_norm(o.double() - r.double()) ** 2 for o, r in zip(outs, refs, strict=True))
+    return (error.sqrt() / sum(torch.linalg.vector_norm(r.double()) ** 2 for r in refs).sqrt()).item()
 
 
 def package_version(name: str) -> str | None:

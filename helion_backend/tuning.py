@@ -323,7 +323,7 @@ def tune_key(
     if key.kernel != DEFAULT_KERNEL_FAMILY:
         raise TuneError(f"the tune command autotunes the {DEFAULT_KERNEL_FAMILY} family only; {key.kernel} keys "
                         "keep the shipped or default configs (benchmarks/sweep_gemm_configs.py --kernel sweeps the "
-                        "quantized families)")
+                        "other families)")
     start = clock()
     timer = timer or functools.partial(time_callable_us, config=TIMING, device=device)
     itemsize = SUPPORTED_DTYPES[key.dtype].itemsize

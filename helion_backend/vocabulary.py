@@ -157,3 +157,7 @@ KERNEL_FAMILIES: dict[str, KernelFamily] = {
     )
 }
 DEFAULT_KERNEL_FAMILY = "gemm"
+# Not a rule's family: the one launch that runs several GEMMs of one activation, each a site of the
+# default family (passes/shared_input.py groups them); its configs are keyed by the sum of their N.
+MULTI_GEMM_FAMILY = "gemm_multi"
+MULTI_GEMM_SLOTS = 3  # sites one such launch runs (a decoder's q, k and v)

@@ -199,8 +199,8 @@ class _NormedQKV(torch.nn.Module):
 @pytest.mark.parametrize("spelling", ["hf", "nn_rmsnorm"])
 @pytest.mark.parametrize("m", [1, 8, 32, 33])
 def test_rmsnorm_prologue_under_cuda_graphs(m, spelling):
-    """q/k/v with the norm fused into each GEMM (M <= 32), or norm + GEMMs left to Inductor (M = 33),
-    against float64, replayed under CUDA graphs on fresh inputs."""
+    """q/k/v in one launch with the norm fused (M <= 8) or not (M = 32), or norm + GEMMs left to Inductor
+    (M = 33), against float64, replayed under CUDA graphs on fresh inputs."""
     torch.manual_seed(0)
     model = _NormedQKV(spelling).cuda().to(torch.bfloat16).eval()
     reference = copy.deepcopy(model).double()
@@ -213,8 +213,45 @@ def test_rmsnorm_prologue_under_cuda_graphs(m, spelling):
             for out, ref in zip(outs, refs):
                 assert rel_err(out, ref) <= 1e-2, (m, call)
     found = [s for rep in helion_backend.get_reports() for s in rep.sites]
-    assert len(found) == 3 and all(s.prologue == ["rmsnorm"] for s in found), found
+    # The norm fuses up to rmsnorm_prologue_max_m (8); q, k and v share one launch where they run Helion.
+    assert len(found) == 3 and all(s.prologue == (["rmsnorm"] if m <= 8 else []) for s in found), found
     assert all(s.runs_on == ("helion" if m <= 32 else "inductor") for s in found), found
+    assert all(s.kernel == ("gemm_multi" if m <= 32 else "gemm") for s in found), found
+
+
+class _QKV(torch.nn.Module):
+    """q, k and v of the same rows, no norm, each with its own epilogue."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = torch.nn.Linear(K, N, bias=False), torch.nn.Linear(K, N // 4), \
+            torch.nn.Linear(K, N // 4, bias=False)
+
+    def forward(self, x, residual):
+        return self.q(x), torch.relu(self.k(x)), self.v(x) + residual
+
+
+@pytest.mark.parametrize("merge", [True, False])
+@pytest.mark.parametrize("m", [1, 4, 16, 32])
+def test_shared_launch_under_cuda_graphs(m, merge, op_calls):
+    """q, k and v in one Helion launch (or, with the option off, one each), against float64 on fresh
+    inputs, replayed under CUDA graphs."""
+    torch.manual_seed(0)
+    model = _QKV().cuda().to(torch.bfloat16).eval()
+    reference = copy.deepcopy(model).double()
+    helion_backend.clear_reports()
+    compiled = torch.compile(model, backend="helion_inductor", options={"merge_siblings": merge})
+    with torch.no_grad():
+        for call in range(4):
+            x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+            residual = torch.randn(m, N // 4, device="cuda", dtype=torch.bfloat16)
+            for out, ref in zip(compiled(x, residual), reference(x.double(), residual.double())):
+                assert rel_err(out, ref) <= 1e-2, (m, call)
+    found = [s for rep in helion_backend.get_reports() for s in rep.sites]
+    assert len(found) == 3 and all(s.runs_on == "helion" for s in found), found
+    assert all(s.kernel == ("gemm_multi" if merge else "gemm") for s in found), found
+    # The single-site op runs (in warm-up and recording; replays skip Python) only when unmerged.
+    assert op_calls.count == 0 if merge else op_calls.count > 0 and op_calls.count % 3 == 0
 
 
 def test_rmsnorm_prologue_with_dynamic_m_crosses_the_threshold():
@@ -233,3 +270,4 @@ def test_rmsnorm_prologue_with_dynamic_m_crosses_the_threshold():
                 assert rel_err(out, ref) <= 1e-2, m
     dynamic = [s for rep in helion_backend.get_reports() for s in rep.sites if s.m == "dynamic"]
     assert len(dynamic) == 3 and all(s.prologue == ["rmsnorm"] and s.runs_on == "helion" for s in dynamic), dynamic
+    assert all(s.kernel == "gemm_multi" for s in dynamic), dynamic

@@ -399,3 +399,43 @@ def test_rmsnorm_weight_of_the_wrong_length_is_refused():
     with pytest.raises(ValueError, match=r"RMSNorm weight must be a float \[64\] vector"):
         gemm_epilogue_helion(torch.randn(4, 64), torch.randn(64, 32), (), [], [], torch.float32,
                              norm=(torch.randn(32), RmsNormSpec(1e-6, False)))
+
+
+# GEMMs of one activation in one launch (kernels/multi_gemm.py).
+MULTI_EPILOGUES = [("bias", "relu"), ("scale",), ("residual", "scale", "sigmoid")]
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "rmsnorm"])
+@pytest.mark.parametrize("outputs", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_multi_gemm_kernel_runs_each_output_with_its_own_epilogue(dtype, outputs, norm):
+    """Every output against float64, each with its own width, layout, operands and scalars (read from the
+    shared lists at its own offsets); with a norm, the rows normalized once for all of them."""
+    from helion_backend.kernels.multi_gemm import multi_gemm_helion
+    from helion_backend.norm import RmsNormSpec, rms_norm
+
+    m, k, widths = 5, 300, [72, 40, 24][:outputs]
+    x = torch.randn(m, k, dtype=dtype) * 2
+    w_kns = [weight(k, n, layout, dtype) for n, layout in zip(widths, ["nk", "kn", "nk"])]
+    steps = MULTI_EPILOGUES[:outputs]
+    operands = [operands_for(s, m, n, dtype) for s, n in zip(steps, widths)]
+    scalars = [[0.5 + i + 10 * j for i, step in enumerate(s) if step == "scale"] for j, s in enumerate(steps)]
+    spec = (torch.randn(k, dtype=dtype) * 0.1 + 1, RmsNormSpec(1e-6, dtype != torch.float32)) if norm else None
+    config = helion.Config(block_sizes=BLOCKS, num_warps=4, num_stages=1)
+    outs = multi_gemm_helion(x, w_kns, steps, [op for ops in operands for op in ops], sum(scalars, []), dtype,
+                             config, norm=spec)
+    rows = rms_norm(x, *spec) if norm else x
+    assert len(outs) == outputs
+    for out, w_kn, s, ops, scs in zip(outs, w_kns, steps, operands, scalars):
+        assert out.shape == (m, w_kn.shape[1]) and out.dtype == dtype
+        assert rel_err(out, float64_reference(rows, w_kn, s, ops, scs)) <= TOLERANCE[dtype]
+
+
+def test_multi_gemm_kernel_refuses_operands_its_epilogues_do_not_read():
+    from helion_backend.kernels.multi_gemm import multi_gemm_helion
+
+    x, w = torch.randn(4, 64), torch.randn(64, 32)
+    with pytest.raises(ValueError, match=r"read 1 tensor operand\(s\) and 0 scalar\(s\), got 2 and 0"):
+        multi_gemm_helion(x, [w, w], [("bias",), ()], [torch.randn(32), torch.randn(32)], [], torch.float32)
+    with pytest.raises(ValueError, match="expected 2 to 3 weights"):
+        multi_gemm_helion(x, [w], [()], [], [], torch.float32)

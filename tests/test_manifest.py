@@ -8,7 +8,7 @@ import torch
 from helion_backend import jsonfile
 from helion_backend.manifest import ManifestError, ManifestSite, merge_sites, read_manifest, record_sites
 from helion_backend.options import BackendOptions
-from helion_backend.passes import rewrite
+from helion_backend.passes import placement
 
 GELU = ("bias", "gelu_tanh")
 
@@ -139,13 +139,12 @@ def test_cpu_compile_records_nothing(tmp_path):
 @pytest.fixture
 def sites_placed_on_helion(monkeypatch):
     """Where a CUDA compile would send a site to Helion (the fused op still runs the reference on the CPU)."""
-    placement = rewrite.placement
+    place = placement.place
 
-    def on_helion(site, ctx):
-        placement(site, ctx)  # sets the site's Helion limit
-        return "helion", None
+    def on_helion(site, ctx, kernel, n):
+        return "helion", None, place(site, ctx, kernel, n)[2]  # with the site's Helion limit
 
-    monkeypatch.setattr(rewrite, "placement", on_helion)
+    monkeypatch.setattr(placement, "place", on_helion)
 
 
 def test_compile_records_its_helion_sites(tmp_path, sites_placed_on_helion):

@@ -64,11 +64,11 @@ class Block(nn.Module):
 def test_block_fuses_the_norms_into_qkv_and_gate_up_and_matches_eager(norm, dtype):
     torch.manual_seed(0)
     model = Block(norm).to(dtype).eval()
-    x = torch.randn(2, 5, D, dtype=dtype)
+    x = torch.randn(2, 4, D, dtype=dtype)
     with torch.no_grad():
         expected = model(x)
         got, reports = compile_run(model, x)
-        fresh = torch.randn(2, 5, D, dtype=dtype)  # the compiled graph, not a constant, on new inputs
+        fresh = torch.randn(2, 4, D, dtype=dtype)  # the compiled graph, not a constant, on new inputs
         assert rel_err(torch.compile(model, backend="helion_inductor",
                                      options={"rewrite_on_cpu": True})(fresh), model(fresh)) <= TOLERANCE[dtype]
     assert rel_err(got, expected) <= TOLERANCE[dtype]
@@ -245,3 +245,17 @@ def test_a_norm_whose_input_an_earlier_site_swallowed_is_not_fused(op_calls):
     assert not any("unfused GEMM runs as well" in note for site in (down, head) for note in site.notes)
     assert op_calls.count == 2
     assert rel_err(out, expected) <= TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("m, limit, fused", [(9, 8, False), (8, 8, True), (9, 16, True)])
+def test_the_norm_fuses_only_up_to_rmsnorm_prologue_max_m(m, limit, fused):
+    """Above the option's M each output tile would re-read its rows: the norm stays a kernel of its own."""
+    torch.manual_seed(0)
+    model = nn.Sequential(HFRMSNorm(D), nn.Linear(D, FF, bias=False)).eval()
+    x = torch.randn(m, D)
+    with torch.no_grad():
+        got, reports = compile_run(model, x, options={"rewrite_on_cpu": True, "rmsnorm_prologue_max_m": limit})
+        assert rel_err(got, model(x)) <= TOLERANCE[torch.float32]
+    (site,) = sites(reports)
+    assert site.runs_on == "reference" and site.prologue == (["rmsnorm"] if fused else [])
+    assert any(f"M={m} > rmsnorm_prologue_max_m={limit}" in n for n in site.notes) != fused, site.notes

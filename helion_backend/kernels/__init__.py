@@ -11,6 +11,7 @@ from ..norm import RmsNormSpec
 from ..quant_program import QuantProgram
 from ..vocabulary import FP8_BLOCK_FAMILY, INT4_FAMILY, KERNEL_FAMILIES
 from .gemm import gemm_epilogue_helion, glu_gemm_helion
+from .multi_gemm import multi_gemm_helion
 from .quant_gemm import block_fp8_gemm_helion, int4_gemm_helion, quant_gemm_helion
 
 KERNELS: dict[str, Callable[..., torch.Tensor]] = {
@@ -57,4 +58,4 @@ def run_kernel(
 
 
 __all__ = ["KERNELS", "block_fp8_gemm_helion", "gemm_epilogue_helion", "glu_gemm_helion", "int4_gemm_helion",
-           "quant_gemm_helion", "run_kernel"]
+           "multi_gemm_helion", "quant_gemm_helion", "run_kernel"]

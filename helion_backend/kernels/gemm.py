@@ -171,8 +171,10 @@ def finish_split_k(target: torch.Tensor, out: torch.Tensor, split_k: int, sig: S
     return out
 
 
-def tile_epilogue(steps: tuple[str, ...]) -> TileEpilogue:
-    """The device-side epilogue for ``steps``; only ``steps`` is in its closure, so Helion keys it by value."""
+def tile_epilogue(steps: tuple[str, ...], after: tuple[str, ...] = ()) -> TileEpilogue:
+    """The device-side epilogue for ``steps``, reading its operands and scalars after those of the steps
+    ``after`` (a launch of several outputs passes every output's in one list). Its closure holds only
+    these step names, so Helion keys it by value (it would turn an int offset into a symbol)."""
 
     def epilogue(
         acc: torch.Tensor,
@@ -182,11 +184,13 @@ def tile_epilogue(steps: tuple[str, ...]) -> TileEpilogue:
         tile_n: hl.Tile,
         up: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        first_operand, first_scalar = len(epilogue_module.operand_kinds(after)), epilogue_module.num_scalars(after)
+
         def load_operand(i: int) -> torch.Tensor:
-            operand = operands[i]
+            operand = operands[first_operand + i]
             return operand[tile_n] if operand.ndim == 1 else operand[tile_m, tile_n]
 
-        return epilogue_module.apply_epilogue(acc, steps, load_operand, scalars, up)
+        return epilogue_module.apply_epilogue(acc, steps, load_operand, scalars[first_scalar:], up)
 
     return epilogue
 

@@ -5,7 +5,7 @@ Each pass is one module with ``run(ctx: PassContext) -> None``. The pipeline is 
 handed to Inductor unchanged.
 """
 
-from . import cleanup, legality, match, normalize, rewrite, siblings
+from . import cleanup, legality, match, normalize, placement, rewrite, shared_input, siblings
 
-ANALYSIS = (normalize, match, siblings, legality)
+ANALYSIS = (normalize, match, siblings, legality, placement, shared_input)
 TRANSFORMS = (rewrite, cleanup)

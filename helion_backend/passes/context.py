@@ -2,7 +2,8 @@
 
 Passes communicate only through a :class:`PassContext`; each pass reads what earlier passes wrote and
 adds its own part (normalize: the anchor; match: the chain and the rule; legality: the final chain or
-the reason not to fuse; rewrite: the fused node).
+the reason not to fuse; placement: where it runs; shared_input: the launch it shares; rewrite: the
+fused node).
 """
 
 from __future__ import annotations
@@ -74,7 +75,9 @@ class GemmSite:
     reason: str | None = None  # why no rule applies, or why the site is not rewritten
     notes: list[str] = field(default_factory=list)  # what legality cut, and why
     runs_on: str = "inductor"
-    helion_limit: int = 0  # the largest M that runs the Helion kernel (set by rewrite)
+    helion_limit: int = 0  # the largest M that runs the Helion kernel (set by placement)
+    # The sites of the same activation this one shares a launch with (passes/shared_input.py), itself included.
+    group: SiteGroup | None = field(default=None, repr=False, compare=False)
     fused: fx.Node | None = None
 
     def fuse_prologue(self, step: Step, **changes: object) -> None:
@@ -111,6 +114,13 @@ class GemmSite:
     @property
     def static_m(self) -> int | None:
         return self.m if isinstance(self.m, int) else None
+
+
+@dataclass(eq=False)
+class SiteGroup:
+    """Sites that read one activation and run in one launch, in graph order."""
+
+    sites: list[GemmSite]
 
 
 @dataclass

@@ -24,7 +24,7 @@ from ..manifest import ManifestSite, record_sites
 from ..options import BackendOptions
 from ..report import GraphReport, SiteReport, UnfusedGemm, dim_for_report, record, write_dump
 from ..rules import builtin_rule_files, load_rules, rules_digest
-from ..vocabulary import dtype_name
+from ..vocabulary import MULTI_GEMM_FAMILY, dtype_name
 from . import ANALYSIS, TRANSFORMS
 from .context import GemmSite, PassContext
 
@@ -115,20 +115,30 @@ def _fill_report(ctx: PassContext) -> None:
 
 
 def _helion_sites(ctx: PassContext) -> list[ManifestSite]:
-    """The sites this graph sends to Helion, for the tuner's manifest."""
+    """The launches this graph sends to Helion, for the tuner's manifest: a shared launch once, keyed as its
+    configs are (the sum of its widths), with every site's epilogue in turn."""
+    launches = [site for site in ctx.sites if site.runs_on == "helion" and (site.group is None or site.group.sites[0] is site)]
     return [
         ManifestSite.declared(
-            kernel=site.rule.kernel,
-            epilogue=[s.name for s in site.steps],
+            kernel=_kernel(site),
+            epilogue=[s.name for member in _members(site) for s in member.steps],
             dtype=dtype_name(site.dtype),
             k=site.k,
-            n=site.n,
+            n=sum(member.n for member in _members(site)),
             m=site.static_m,
             helion_limit=site.helion_limit,
         )
-        for site in ctx.sites
-        if site.runs_on == "helion"
+        for site in launches
     ]
+
+
+def _members(site: GemmSite) -> list[GemmSite]:
+    return site.group.sites if site.group is not None else [site]
+
+
+def _kernel(site: GemmSite) -> str:
+    """The kernel family that runs the site: its rule's, or the shared launch's."""
+    return MULTI_GEMM_FAMILY if site.group is not None else site.rule.kernel
 
 
 def _site_report(site: GemmSite) -> SiteReport:
@@ -138,7 +148,7 @@ def _site_report(site: GemmSite) -> SiteReport:
         anchor_op=str(site.anchor.target),
         prologue=[s.name for s in site.prologue],
         epilogue=[s.name for s in site.steps],
-        kernel=site.rule.kernel,
+        kernel=_kernel(site),
         runs_on=site.runs_on,
         why=site.reason,
         m=dim_for_report(site.m),

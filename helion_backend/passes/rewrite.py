@@ -1,21 +1,23 @@
-"""Rewrite: decide where each matched site runs and replace the fused ones by one op call."""
+"""Rewrite: replace each site placed on Helion or the reference by one op call (one for a shared launch)."""
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.utils._pytree import tree_leaves
 
-from .. import dispatch
-from ..epilogue import format_steps
+from ..epilogue import format_epilogues, format_steps
 from ..ops import OP_NAMESPACE
 from ..patterns import val
 from ..report import site_id
-from .context import GemmSite, PassContext
+from .context import GemmSite, PassContext, SiteGroup
 
 aten = torch.ops.aten
 FUSED_OP = getattr(torch.ops, OP_NAMESPACE).gemm_epilogue.default
+MULTI_OP = getattr(torch.ops, OP_NAMESPACE).multi_gemm_epilogue.default
 
 
 def run(ctx: PassContext) -> None:
@@ -24,82 +26,96 @@ def run(ctx: PassContext) -> None:
     # graph's users, not the nodes a matched site holds, so each site's inputs go through this map.
     replaced: dict[fx.Node, fx.Node] = {}
     for site in ctx.sites:
-        if site.rule is None:
+        if site.rule is None or site.runs_on == "inductor":
             continue
-        site.runs_on, site.reason = placement(site, ctx)
-        if site.runs_on == "inductor":
-            continue
+        group = site.group
+        if group is not None and site is not group.sites[0]:
+            continue  # rewritten with the first of its group
+        sites = group.sites if group is not None else [site]
+        name = site_id(ctx.report.graph, site.anchor.name)
         try:
-            _replace(ctx.graph, site, ctx.options.config_dir, site_id(ctx.report.graph, site.anchor.name), replaced)
-        except Exception as e:  # leave the site to Inductor: nodes inserted before the failure are dead
-            site.runs_on, site.reason = "inductor", f"rewrite failed ({type(e).__name__}: {e})"
-            site.fused = None
-
-
-def placement(site: GemmSite, ctx: PassContext) -> tuple[str, str | None]:
-    """``(runs_on, why)``: helion on CUDA for small M, the reference where asked, else Inductor.
-
-    Sets ``site.helion_limit``, the largest M that runs Helion at this shape.
-    """
-    site.helion_limit, lowered_by = dispatch.helion_size_limit(
-        site.k, site.n, site.dtype, site.device, ctx.options.max_helion_size, ctx.options.config_dir,
-        site.rule.kernel,
-    )
-    bound = lowered_by or f"max_helion_size={site.helion_limit}"
-    if site.device.type == "cuda":
-        if site.static_m is not None and site.static_m > site.helion_limit:
-            return "inductor", f"M={site.static_m} > {bound}: cuBLAS + Inductor's epilogue"
-        problem = dispatch.helion_unavailable_reason()
-        if problem:
-            return "reference", problem
-        if site.static_m is None:
-            return "helion", f"M is dynamic: Helion when M <= {site.helion_limit} at run time, cuBLAS above"
-        return "helion", None
-    if ctx.options.rewrite_on_cpu:
-        return "reference", f"no Helion kernel on {site.device.type}: rewrite_on_cpu runs the reference"
-    return "inductor", (
-        f"{site.device.type} graph: left to Inductor (option rewrite_on_cpu rewrites it to the reference)"
-    )
+            if group is not None:
+                _replace_group(ctx.graph, group, ctx.options.config_dir, name, replaced)
+            else:
+                _replace(ctx.graph, site, ctx.options.config_dir, name, replaced)
+        except Exception as e:  # leave the sites to Inductor: nodes inserted before the failure are dead
+            for s in sites:
+                s.runs_on, s.reason, s.fused = "inductor", f"rewrite failed ({type(e).__name__}: {e})", None
 
 
 def _replace(graph: fx.Graph, site: GemmSite, config_dir: str, name: str, replaced: dict[fx.Node, fx.Node]) -> None:
     steps = site.steps
-    out_val = val(site.output)
     norm = site.rms_norm
-    if norm is not None and norm.view is not None:  # the norm's 3-D input, seen as the GEMM saw its output
-        with graph.inserting_before(site.output):
-            x = _call(graph, aten.view.default, (replaced.get(norm.x, norm.x), norm.view.args[1]))
-    else:
-        x = site.x
-    args = fx.node.map_arg((
-        x,
-        site.weight,
-        site.weight_layout,
-        site.weight_scale,
-        site.up_weight,
-        site.up_layout,
-        format_steps([s.name for s in site.prologue]),
-        site.quant_program.to_json() if site.quant_program is not None else "",
-        [s.operand for s in steps if s.operand is not None],
-        [s.scalar for s in steps if s.scalar is not None],
-        format_steps([s.name for s in steps]),
-        out_val.dtype,
-        site.rule.kernel,
-        site.helion_limit,
-        config_dir,
-        name,
-        norm.weight if norm is not None else None,
-        norm.spec.to_json() if norm is not None else "",
-    ), lambda node: replaced.get(node, node))
     with graph.inserting_before(site.output):
+        x = _activation(graph, site, replaced)
+        args = fx.node.map_arg((
+            x,
+            site.weight,
+            site.weight_layout,
+            site.weight_scale,
+            site.up_weight,
+            site.up_layout,
+            format_steps([s.name for s in site.prologue]),
+            site.quant_program.to_json() if site.quant_program is not None else "",
+            [s.operand for s in steps if s.operand is not None],
+            [s.scalar for s in steps if s.scalar is not None],
+            format_steps([s.name for s in steps]),
+            val(site.output).dtype,
+            site.rule.kernel,
+            site.helion_limit,
+            config_dir,
+            name,
+            norm.weight if norm is not None else None,
+            norm.spec.to_json() if norm is not None else "",
+        ), lambda node: replaced.get(node, node))
         fused = _call(graph, FUSED_OP, args)
-        result = fused
-        reshapes = [s for s in site.chain if s.name == "reshape"]
-        if reshapes:  # a 3-D F.linear: view the [M, N] result back to the shape users expect
-            result = _call(graph, aten.view.default, (fused, reshapes[-1].out.args[1]))
+        _take_output(graph, site, fused, replaced)
+
+
+def _replace_group(graph: fx.Graph, group: SiteGroup, config_dir: str, name: str,
+                   replaced: dict[fx.Node, fx.Node]) -> None:
+    """One ``multi_gemm_epilogue`` before the first of the group's results (shared_input checked that
+    every input comes earlier), and each result read from it."""
+    sites, leader = group.sites, group.sites[0]
+    norm = leader.rms_norm
+    first_result = next(node for node in graph.nodes if any(node is s.output for s in sites))
+    with graph.inserting_before(first_result):
+        x = _activation(graph, leader, replaced)
+        args = fx.node.map_arg((
+            x,
+            [s.weight for s in sites],
+            ",".join(s.weight_layout for s in sites),
+            [step.operand for s in sites for step in s.steps if step.operand is not None],
+            [step.scalar for s in sites for step in s.steps if step.scalar is not None],
+            format_epilogues([[step.name for step in s.steps] for s in sites]),
+            val(leader.output).dtype,
+            leader.helion_limit,
+            config_dir,
+            name,
+            norm.weight if norm is not None else None,
+            norm.spec.to_json() if norm is not None else "",
+        ), lambda node: replaced.get(node, node))
+        fused = _call(graph, MULTI_OP, args)
+        for i, site in enumerate(sites):
+            _take_output(graph, site, _call(graph, operator.getitem, (fused, i)), replaced)
+
+
+def _activation(graph: fx.Graph, site: GemmSite, replaced: dict[fx.Node, fx.Node]) -> fx.Node:
+    """The op's x: the site's activation, or a fused norm's 3-D input seen as the GEMM saw it."""
+    norm = site.rms_norm
+    if norm is not None and norm.view is not None:
+        return _call(graph, aten.view.default, (replaced.get(norm.x, norm.x), norm.view.args[1]))
+    return site.x
+
+
+def _take_output(graph: fx.Graph, site: GemmSite, result: fx.Node, replaced: dict[fx.Node, fx.Node]) -> None:
+    """Make the graph read ``result`` (the site's [M, N] value) where it read the site's output."""
+    site.fused = result
+    reshapes = [s for s in site.chain if s.name == "reshape"]
+    if reshapes:  # a 3-D F.linear: view the [M, N] result back to the shape users expect
+        result = _call(graph, aten.view.default, (result, reshapes[-1].out.args[1]))
     site.output.replace_all_uses_with(result)
     replaced[site.output] = result
-    site.fused = fused
 
 
 def _call(graph: fx.Graph, target, args: tuple) -> fx.Node:

@@ -1,0 +1,172 @@
+"""GEMMs of one activation in one launch: ``out_i = epilogue_i(x @ w_i)`` for a decoder's q, k and v.
+
+At decode sizes each projection is a few microseconds of weight streaming; three launches pay three
+ramp-ups and tails, and the small k and v projections alone cannot fill the GPU. Helion runs
+consecutive top-level tile loops of one kernel as one launch whose programs are split among the
+loops, so :func:`multi_gemm_kernel` writes one loop per output and the grid covers every output's
+tiles at once. Nothing is concatenated: each loop reads its own weight where it is, so the fusion
+stays correct when the parameters change.
+
+The kernel has :data:`SLOTS` loops; a group of two passes an empty third weight, whose loop has no
+programs. Each output has its own epilogue (one callable, told which output it finishes). An RMSNorm
+shared by the group (the decoder's input norm) runs in every tile, as in ``rmsnorm_gemm_kernel``.
+There is no split-K: the outputs' tiles together supply the parallelism it would.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import helion
+import helion.language as hl
+import torch
+
+# Module attributes, not bare names, for the reason given in kernels/gemm.py.
+from .. import norm as norm_module
+from ..epilogue import split_per_output
+from ..norm import RmsNormSpec
+from ..vocabulary import DEFAULT_KERNEL_FAMILY, MULTI_GEMM_FAMILY, MULTI_GEMM_SLOTS
+from .configs import config_for
+from .gemm import (
+    Layout,
+    Signature,
+    TileEpilogue,
+    check_family_steps,
+    check_signature,
+    compiled_kernel,
+    tile_epilogue,
+)
+
+# Outputs one launch computes: the kernel writes out one loop per slot.
+SLOTS = MULTI_GEMM_SLOTS
+
+# Each loop is written out, with its own variable names: Helion's loop-dependency check goes by name.
+@helion.kernel(static_shapes=True, autotune_effort="none", dot_precision="ieee")
+def multi_gemm_kernel(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    rounding: torch.dtype,
+    weights: list[torch.Tensor],
+    outs: list[torch.Tensor],
+    operands: list[torch.Tensor],
+    scalars: list[float],
+    epilogue0: TileEpilogue,
+    epilogue1: TileEpilogue,
+    epilogue2: TileEpilogue,
+) -> None:
+    """``outs[i] = epilogue_i(x' @ weights[i])`` for i < SLOTS in one launch, where x' is x, or with
+    ``norm_weight`` its RMS-normalized rows (``eps``, rounded through ``rounding``). The epilogues read
+    ``operands`` and ``scalars`` from their own offsets (:func:`.gemm.tile_epilogue`)."""
+    m, k = x.size()
+    block_m = hl.register_block_size(m)
+    block_n = hl.register_block_size(weights[0].size(1))
+    block_k = hl.register_block_size(k)
+    for tile_m, tile_n in hl.tile([m, weights[0].size(1)], block_size=[block_m, block_n]):
+        acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
+        if norm_weight is None:
+            for tile_k in hl.tile(k, block_size=block_k):
+                acc = torch.addmm(acc, x[tile_m, tile_k], weights[0][tile_k, tile_n])
+        else:
+            squares = hl.zeros([tile_m], dtype=torch.float32)
+            for tile_k in hl.tile(k, block_size=block_k):
+                rows = x[tile_m, tile_k].to(torch.float32)
+                squares = squares + (rows * rows).sum(-1)
+            rstd = norm_module.rstd_from_sum_of_squares(squares, k, eps)[:, None]
+            for tile_k in hl.tile(k, block_size=block_k):
+                x_tile = norm_module.normalize(x[tile_m, tile_k], rstd, norm_weight[tile_k], rounding)
+                acc = torch.addmm(acc, x_tile, weights[0][tile_k, tile_n])
+        outs[0][tile_m, tile_n] = epilogue0(acc, operands, scalars, tile_m, tile_n).to(outs[0].dtype)
+    for tile_m1, tile_n1 in hl.tile([m, weights[1].size(1)], block_size=[block_m, block_n]):
+        acc1 = hl.zeros([tile_m1, tile_n1], dtype=torch.float32)
+        if norm_weight is None:
+            for tile_k1 in hl.tile(k, block_size=block_k):
+                acc1 = torch.addmm(acc1, x[tile_m1, tile_k1], weights[1][tile_k1, tile_n1])
+        else:
+            squares1 = hl.zeros([tile_m1], dtype=torch.float32)
+            for tile_k1 in hl.tile(k, block_size=block_k):
+                rows1 = x[tile_m1, tile_k1].to(torch.float32)
+                squares1 = squares1 + (rows1 * rows1).sum(-1)
+            rstd1 = norm_module.rstd_from_sum_of_squares(squares1, k, eps)[:, None]
+            for tile_k1 in hl.tile(k, block_size=block_k):
+                x_tile1 = norm_module.normalize(x[tile_m1, tile_k1], rstd1, norm_weight[tile_k1], rounding)
+                acc1 = torch.addmm(acc1, x_tile1, weights[1][tile_k1, tile_n1])
+        outs[1][tile_m1, tile_n1] = epilogue1(acc1, operands, scalars, tile_m1, tile_n1).to(outs[1].dtype)
+    for tile_m2, tile_n2 in hl.tile([m, weights[2].size(1)], block_size=[block_m, block_n]):
+        acc2 = hl.zeros([tile_m2, tile_n2], dtype=torch.float32)
+        if norm_weight is None:
+            for tile_k2 in hl.tile(k, block_size=block_k):
+                acc2 = torch.addmm(acc2, x[tile_m2, tile_k2], weights[2][tile_k2, tile_n2])
+        else:
+            squares2 = hl.zeros([tile_m2], dtype=torch.float32)
+            for tile_k2 in hl.tile(k, block_size=block_k):
+                rows2 = x[tile_m2, tile_k2].to(torch.float32)
+                squares2 = squares2 + (rows2 * rows2).sum(-1)
+            rstd2 = norm_module.rstd_from_sum_of_squares(squares2, k, eps)[:, None]
+            for tile_k2 in hl.tile(k, block_size=block_k):
+                x_tile2 = norm_module.normalize(x[tile_m2, tile_k2], rstd2, norm_weight[tile_k2], rounding)
+                acc2 = torch.addmm(acc2, x_tile2, weights[2][tile_k2, tile_n2])
+        outs[2][tile_m2, tile_n2] = epilogue2(acc2, operands, scalars, tile_m2, tile_n2).to(outs[2].dtype)
+
+
+@functools.cache  # on every launch
+def multi_kernel_config(config: helion.Config) -> helion.Config:
+    """A GEMM config for :func:`multi_gemm_kernel`: its block sizes, warps, stages, and an indexing mode
+    given for every load (a per-load list is sized for another kernel's loads); no split-K."""
+    kept = {key: config[key] for key in ("block_sizes", "num_warps", "num_stages") if key in config}
+    if isinstance(config.get("indexing"), str):
+        kept["indexing"] = config["indexing"]
+    return helion.Config(**kept)
+
+
+def multi_gemm_helion(
+    x: torch.Tensor,
+    w_kns: Sequence[torch.Tensor],
+    steps: Sequence[Sequence[str]],
+    operands: Sequence[torch.Tensor],
+    scalars: Sequence[float],
+    out_dtype: torch.dtype,
+    config: helion.Config | None = None,
+    config_dir: str | None = None,
+    norm: tuple[torch.Tensor, RmsNormSpec] | None = None,
+) -> list[torch.Tensor]:
+    """``[epilogue_i(x @ w_kns[i])]`` as contiguous [M, N_i] ``out_dtype`` tensors, from one launch.
+
+    ``steps[i]`` is output i's epilogue; ``operands`` and ``scalars`` hold every output's in turn
+    (each flattened as :func:`helion_backend.dispatch.flatten_operands` does). ``config`` defaults to
+    the tables' entry for the ``gemm_multi`` family at N = sum of the N_i. With ``norm`` (an RMSNorm's
+    weight and spec) x's rows are normalized first, as in ``gemm_epilogue_helion``.
+    """
+    if not 2 <= len(w_kns) <= SLOTS or len(steps) != len(w_kns):
+        raise ValueError(f"expected 2 to {SLOTS} weights with one epilogue each, got {len(w_kns)} and {len(steps)}")
+    steps = tuple(tuple(s) for s in steps)
+    operands, scalars = list(operands), [float(s) for s in scalars]
+    per_output = split_per_output(steps, operands, scalars)
+    sigs = tuple(
+        Signature(Layout.of(x), Layout.of(w), tuple(map(Layout.of, ops)), len(scs), s, out_dtype,
+                  None if norm is None else (Layout.of(norm[0]), norm[1].round_before_weight))
+        for w, s, (ops, scs) in zip(w_kns, steps, per_output)
+    )
+    for sig in sigs:
+        check_signature(sig)
+        check_family_steps(sig.steps, DEFAULT_KERNEL_FAMILY)
+    (m, k), widths = x.shape, [w.shape[1] for w in w_kns]
+    if config is None:
+        config = config_for(m, k, sum(widths), x.dtype, x.device, config_dir, MULTI_GEMM_FAMILY)
+    outs = [torch.empty((m, n), dtype=out_dtype, device=x.device) for n in widths]
+    empty = SLOTS - len(w_kns)  # slots without a weight: [K, 0], so their loops have no programs
+    weights = [*w_kns, *(x.new_empty((k, 0)) for _ in range(empty))]
+    targets = [*outs, *(x.new_empty((m, 0), dtype=out_dtype) for _ in range(empty))]
+    norm_weight, eps, rounding = (None, 0.0, torch.float32) if norm is None else (
+        norm[0], norm[1].eps, norm_module.round_dtype(norm[1], x.dtype))
+    args = (x, norm_weight, eps, rounding, weights, targets, operands, scalars, *_epilogues(steps))
+    compiled_kernel(multi_gemm_kernel, args, sigs, multi_kernel_config(config), 1)(*args)
+    return outs
+
+
+def _epilogues(steps: tuple[tuple[str, ...], ...]) -> list[TileEpilogue]:
+    """One device-side epilogue per slot, each reading its operands and scalars after the earlier outputs'
+    (an empty slot's has no steps)."""
+    padded = (*steps, *((),) * (SLOTS - len(steps)))
+    return [tile_epilogue(s, sum(padded[:i], ())) for i, s in enumerate(padded)]

@@ -1,0 +1,42 @@
+"""Placement: where each matched site runs (Helion, the reference composite, or Inductor), and up to which M."""
+
+from __future__ import annotations
+
+from .. import dispatch
+from .context import GemmSite, PassContext
+
+
+def run(ctx: PassContext) -> None:
+    for site in ctx.sites:
+        if site.rule is None:
+            continue
+        limit = ctx.options.rmsnorm_prologue_max_m
+        if site.rms_norm is not None and site.static_m is not None and site.static_m > limit:
+            site.drop_prologue()
+            site.notes.append(f"RMSNorm not fused: M={site.static_m} > rmsnorm_prologue_max_m={limit} (every "
+                              "output tile would re-read its rows)")
+        site.runs_on, site.reason, site.helion_limit = place(site, ctx, site.rule.kernel, site.n)
+
+
+def place(site: GemmSite, ctx: PassContext, kernel: str, n: int) -> tuple[str, str | None, int]:
+    """``(runs_on, why, helion_limit)`` of ``site`` run by the ``kernel`` family at width ``n``: Helion on
+    CUDA for M up to the limit (the measured crossover of that family and shape, else
+    ``max_helion_size``), the reference where asked, else Inductor."""
+    limit, lowered_by = dispatch.helion_size_limit(
+        site.k, n, site.dtype, site.device, ctx.options.max_helion_size, ctx.options.config_dir, kernel,
+    )
+    bound = lowered_by or f"max_helion_size={limit}"
+    if site.device.type == "cuda":
+        if site.static_m is not None and site.static_m > limit:
+            return "inductor", f"M={site.static_m} > {bound}: cuBLAS + Inductor's epilogue", limit
+        problem = dispatch.helion_unavailable_reason()
+        if problem:
+            return "reference", problem, limit
+        if site.static_m is None:
+            return "helion", f"M is dynamic: Helion when M <= {limit} at run time, cuBLAS above", limit
+        return "helion", None, limit
+    if ctx.options.rewrite_on_cpu:
+        return "reference", f"no Helion kernel on {site.device.type}: rewrite_on_cpu runs the reference", limit
+    return "inductor", (
+        f"{site.device.type} graph: left to Inductor (option rewrite_on_cpu rewrites it to the reference)"
+    ), limit
