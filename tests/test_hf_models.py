@@ -95,7 +95,8 @@ def test_quantized_decoder_fuses_every_projection_with_its_prologue(fmt):
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_gated_mlp_rules_fuse_gate_and_up_in_every_layer(name):
-    """With ``rules/experimental/gated_mlp.toml`` each layer's gate and up projections are one site."""
+    """With ``rules/experimental/gated_mlp.toml`` each layer's gate and up projections are one site, whose
+    kernel runs the post-attention norm."""
     from helion_backend.rules import BUILTIN_RULES_DIR
 
     torch.manual_seed(0)
@@ -109,4 +110,5 @@ def test_gated_mlp_rules_fuse_gate_and_up_in_every_layer(name):
     assert ((got - expected).norm() / expected.norm()).item() < 1e-5
     found = [s for r in helion_backend.get_reports() for s in r.sites]
     assert len(found) == EXPECTED_SITES[name] - LAYERS, [r.summary() for r in helion_backend.get_reports()]
-    assert sum(s.rule == "gated_mlp" for s in found) == LAYERS
+    gated = [s for s in found if s.rule == "gated_mlp"]
+    assert len(gated) == LAYERS and all(s.prologue == ["rmsnorm"] for s in gated), gated

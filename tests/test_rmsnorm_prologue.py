@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import compile_run, rel_err, sites
+from helpers import WITH_GATED, compile_run, rel_err, sites
 
 import helion_backend
 from helion_backend.norm import RmsNormSpec, parse_spec, rms_norm
@@ -245,3 +245,94 @@ def test_a_norm_whose_input_an_earlier_site_swallowed_is_not_fused(op_calls):
     assert not any("unfused GEMM runs as well" in note for site in (down, head) for note in site.notes)
     assert op_calls.count == 2
     assert rel_err(out, expected) <= TOLERANCE[torch.bfloat16]
+
+
+# --------------------------------------------------------------------------------------------------
+# With the experimental gated MLP rules: the gate/up pair's kernel runs the norm for both projections.
+
+
+class NormedMLP(nn.Module):
+    """A Llama/Qwen3 decoder layer's MLP half: the post-attention norm, gate and up, silu * up, down, residual."""
+
+    def __init__(self, norm=HFRMSNorm) -> None:
+        super().__init__()
+        self.norm = norm(D)
+        self.gate, self.up = nn.Linear(D, FF, bias=False), nn.Linear(D, FF, bias=False)
+        self.down = nn.Linear(FF, D, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+@pytest.mark.parametrize("lead", [(5,), (2, 3)], ids=["2d", "3d"])
+@pytest.mark.parametrize("norm", [HFRMSNorm, nn_rmsnorm], ids=["hf", "nn_rmsnorm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_pair_fuses_the_norm_and_matches_eager(dtype, norm, lead, op_calls):
+    torch.manual_seed(0)
+    model = NormedMLP(norm).to(dtype).eval()
+    compiled = torch.compile(model, backend="helion_inductor", options=WITH_GATED)
+    with torch.no_grad():
+        for _ in range(2):  # the compiled graph, not a constant, on fresh inputs
+            x = torch.randn(*lead, D, dtype=dtype)
+            assert rel_err(compiled(x), model(x)) <= TOLERANCE[dtype]
+    gate, down = sites(helion_backend.get_reports())
+    assert (gate.rule, gate.kernel, gate.prologue, gate.epilogue) == ("gated_mlp", "gemm_glu", ["rmsnorm"],
+                                                                      ["silu", "up_mul"]), gate
+    assert not any(note.startswith("RMSNorm not fused") for note in gate.notes), gate.notes
+    assert (down.prologue, down.epilogue) == ([], ["residual"]), down
+    assert op_calls.count == 4  # two calls of the gated op and of the down projection's: gate and up are one
+
+
+def test_gated_pair_of_differently_normalized_activations_is_not_formed():
+    """Gate and up must read the same normalized rows for the kernel's one norm to serve both: with the
+    up projection reading the raw rows, or rows of another norm, each projection keeps its own site."""
+    torch.manual_seed(1)
+    model, other = NormedMLP().eval(), HFRMSNorm(D)
+    for up_input in (lambda x: x, other):
+        def fn(x, up_input=up_input):
+            return F.silu(model.gate(model.norm(x))) * model.up(up_input(x))
+
+        x = torch.randn(4, D)
+        with torch.no_grad():
+            got, reports = compile_run(fn, x, options=WITH_GATED)
+            assert rel_err(got, fn(x)) <= TOLERANCE[torch.float32]
+        gate, up = sites(reports)
+        assert gate.rule != "gated_mlp" and gate.prologue == ["rmsnorm"], gate
+        assert up.prologue == ([] if up_input is not other else ["rmsnorm"]), up
+
+
+def test_gated_pair_whose_normalized_value_has_another_reader_reads_it():
+    torch.manual_seed(3)
+    model = NormedMLP().eval()
+
+    def fn(x):
+        h = model.norm(x)
+        return F.silu(model.gate(h)) * model.up(h), h.sum(-1)
+
+    x = torch.randn(4, D)
+    with torch.no_grad():
+        (got, total), reports = compile_run(fn, x, options=WITH_GATED)
+        expected, expected_total = fn(x)
+    assert rel_err(got, expected) <= 1e-5 and rel_err(total, expected_total) <= 1e-5
+    (gate,) = sites(reports)
+    assert (gate.rule, gate.prologue) == ("gated_mlp", []), gate
+    assert sum(note.startswith("RMSNorm not fused: the normalized value is also read by") for note in gate.notes) == 1, \
+        gate.notes
+
+
+def test_gated_rule_without_a_prologue_reads_the_normalized_activation(tmp_path):
+    """A gated rule that takes no prologue still fuses the pair (it ranks above the rules that take the
+    norm); the norm then runs before the kernel, and the site's note says so."""
+    rules = tmp_path / "gated.toml"
+    rules.write_text('[[rule]]\nname = "my_gated"\nanchor = ["linear"]\nkernel = "gemm_glu"\n'
+                     'epilogue = ["silu", "up_mul"]\npriority = 50\n')
+    torch.manual_seed(2)
+    model = NormedMLP().eval()
+    x = torch.randn(2, 3, D)
+    with torch.no_grad():
+        got, reports = compile_run(model, x, options={"rewrite_on_cpu": True, "rules": [str(rules)]})
+        assert rel_err(got, model(x)) <= TOLERANCE[torch.float32]
+    gate, _ = sites(reports)
+    assert (gate.rule, gate.prologue) == ("my_gated", []), gate
+    assert any("rule my_gated ranks higher and takes no prologue" in note for note in gate.notes), gate.notes
