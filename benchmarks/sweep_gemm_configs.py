@@ -18,10 +18,10 @@ computation and timed against ``torch.compile`` default of the same layer. The i
 packed bytes (two columns of K) and block fp8's is fixed at one group, so they have candidates of their own.
 
 The gated MLP family (``gemm_glu``, rules/experimental/gated_mlp.toml) runs ``silu(x @ w_gate) * (x @ w_up)``
-at the suites' gate/up shape, checked against float64 and timed against ``torch.compile`` default of that
-expression (two cuBLAS GEMMs and Inductor's fused silu * mul). Its candidates are the 16-bit ones as the
-kernel runs them: without split-K, the K block fitted to two weight tiles. Its entries record their
-epilogue; the table's is the other families'.
+at the suites' gate/up shapes (it skips the others), checked against float64 and timed against
+``torch.compile`` default of that expression (two cuBLAS GEMMs and Inductor's fused silu * mul). Its
+candidates are the 16-bit ones as the kernel runs them: without split-K, the K block fitted to two weight
+tiles. Its entries record their epilogue; the table's is the other families'.
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ from helion_backend.vocabulary import FP8_BLOCK, FP8_BLOCK_FAMILY, INT4_FAMILY
 
 STEPS = ("bias", "gelu_tanh")
 GLU_FAMILY, GLU_STEPS = "gemm_glu", ("silu", "up_mul")
-# The suites' shape that the gated kernel runs (a gated MLP's gate and up projections).
-GLU_SHAPE = "gate_up"
+# The (K, N) the gated kernel runs at: the suites' gate and up projections.
+GLU_SHAPES = frozenset((s.k, s.n) for shapes in SUITES.values() for s in shapes if s.name == "gate_up")
 # Quantized families: the helion_backend.quantize format whose layers they run.
 QUANT_FAMILIES = {"gemm_fp8": "fp8_dynamic", "gemm_int8": "int8_dynamic", "gemm_weight_only": "int8_weight_only",
                   INT4_FAMILY: "int4_weight_only", FP8_BLOCK_FAMILY: "fp8_block"}
@@ -158,11 +158,6 @@ def glu_candidates(m: int, n: int) -> list[helion.Config]:
     return list(dict.fromkeys(glu_kernel_config(c, torch.bfloat16.itemsize, False) for c in candidate_configs(m, n)))
 
 
-def sweep_shapes(kernel: str, suites: list[str]) -> list[tuple[int, int]]:
-    """The (K, N) to sweep: every GEMM of the suites; for the gated kernel, their gate/up projections."""
-    return sorted({(s.k, s.n) for suite in suites for s in SUITES[suite] if kernel != GLU_FAMILY or s.name == GLU_SHAPE})
-
-
 def sweep_key(kernel: str, k: int, n: int, m: int, device: torch.device) -> dict | None:
     if kernel == "gemm":
         return sweep_bf16_key(k, n, m, device)
@@ -195,7 +190,10 @@ def sweep_bf16_key(k: int, n: int, m: int, device: torch.device) -> dict | None:
 
 
 def sweep_glu_key(k: int, n: int, m: int, device: torch.device) -> dict | None:
-    """As :func:`sweep_bf16_key` for the gated kernel: both weights stream from HBM on every call."""
+    """As :func:`sweep_bf16_key` for the gated kernel, whose two weights both stream from HBM on every call;
+    None at a shape that is no gate/up projection's."""
+    if (k, n) not in GLU_SHAPES:
+        return None
     key = TuneKey(GLU_FAMILY, GLU_STEPS, "bfloat16", k, n, m)
     copies = copies_to_defeat_l2(2 * k * n * torch.bfloat16.itemsize, device)  # two weights a call
     gate, up = (make_inputs(key, device, copies, seed) for seed in (0, 1))
@@ -289,26 +287,20 @@ def _channel_scale(layer: torch.nn.Module) -> torch.Tensor:
     return layer.weight_scale.reshape(-1).float()
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--m", default="1,4,16,32", help="comma list of M values")
     parser.add_argument("--kernel", default="gemm", choices=["gemm", GLU_FAMILY, *QUANT_FAMILIES], help="kernel family")
     parser.add_argument("--suite", default=",".join(SUITES), help="comma list of suites")
     parser.add_argument("--budget-min", type=float, default=0, help="start no new key after this long")
     parser.add_argument("--out-dir", type=Path, help="also write the table here")
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str]) -> None:
-    args = parse_args(argv)
-    shapes = sweep_shapes(args.kernel, args.suite.split(","))
-    if not shapes:
-        sys.exit(f"no {GLU_SHAPE} shape in --suite {args.suite} for the {GLU_FAMILY} kernel")
+    args = parser.parse_args(argv)
     device = torch.device("cuda")
     # One line per timed candidate (fastest_valid logs them), without the rest of the package's INFO logs.
     tune_log = logging.getLogger("helion_backend.tuning")
     tune_log.setLevel(logging.INFO)
     tune_log.addHandler(logging.StreamHandler(sys.stdout))
+    shapes = sorted({(s.k, s.n) for suite in args.suite.split(",") for s in SUITES[suite]})
     ms = [int(m) for m in args.m.split(",")]
     path = configs.TUNED_DIR / f"{configs.gpu_key(device)}.json"
     table = ConfigTable.load(path, shlex.join(sys.orig_argv))  # a sweep updates the table, key by key

@@ -18,12 +18,12 @@ from helion_backend.kernels.gemm import glu_kernel_config  # noqa: E402
 from helion_backend.timing import TimingConfig  # noqa: E402
 
 
-def test_gated_family_sweeps_the_gate_up_shapes():
-    args = sweep.parse_args(["--kernel", "gemm_glu", "--m", "1,8,32", "--suite", "qwen3_8b,qwen3_32b"])
-    assert sweep.sweep_shapes(args.kernel, args.suite.split(",")) == [(4096, 12288), (5120, 25600)]
-    assert len(sweep.sweep_shapes("gemm", ["qwen3_8b"])) == 4
-    with pytest.raises(SystemExit, match="no gate_up shape"):  # before it looks for a GPU
-        sweep.main(["--kernel", "gemm_glu", "--suite", "qwen3_lm_head"])
+def test_gated_family_is_a_choice_and_sweeps_the_gate_up_shapes(capsys):
+    with pytest.raises(SystemExit) as stopped:  # --help exits after --kernel is checked, before any GPU is needed
+        sweep.main(["--kernel", "gemm_glu", "--m", "1,8,32", "--help"])
+    assert stopped.value.code == 0 and "gemm_glu" in capsys.readouterr().out
+    assert sweep.GLU_SHAPES == {(4096, 12288), (5120, 25600)}
+    assert sweep.sweep_glu_key(4096, 4096, 1, torch.device("cpu")) is None  # q/o: not swept
 
 
 @pytest.mark.parametrize("m", [1, 32])
@@ -41,6 +41,7 @@ def test_gated_key_checks_times_and_records_an_entry(monkeypatch):
         return dispatch.reference(x, w_kn, steps, operands, scalars, out_dtype, None, up_kn)
 
     monkeypatch.setattr(sweep, "glu_gemm_helion", reference_kernel)
+    monkeypatch.setattr(sweep, "GLU_SHAPES", {(64, 48)})
     monkeypatch.setattr(sweep, "TIMING", TimingConfig(warmup_calls=1, calls_per_graph=1, warmup_replays=0, replays=1))
     entry = sweep.sweep_glu_key(64, 48, 3, torch.device("cpu"))
     assert entry is not None, "every candidate was off the float64 reference"
