@@ -336,3 +336,18 @@ def test_gated_rule_without_a_prologue_reads_the_normalized_activation(tmp_path)
     gate, _ = sites(reports)
     assert (gate.rule, gate.prologue) == ("my_gated", []), gate
     assert any("rule my_gated ranks higher and takes no prologue" in note for note in gate.notes), gate.notes
+
+
+def test_a_pair_that_does_not_fuse_keeps_the_gate_site_as_matched(tmp_path):
+    """A user's rule above the gated one takes the gate alone, without the norm: the pairing that fails
+    must leave that site as it was, not bring the norm back under a rule that takes none."""
+    rules = tmp_path / "mine.toml"
+    rules.write_text('[[rule]]\nname = "my_silu"\nanchor = ["linear"]\nepilogue = ["silu"]\npriority = 100\n')
+    torch.manual_seed(4)
+    model = NormedMLP().eval()
+    x = torch.randn(2, 3, D)
+    with torch.no_grad():
+        got, reports = compile_run(model, x, options={**WITH_GATED, "rules": [*WITH_GATED["rules"], str(rules)]})
+        assert rel_err(got, model(x)) <= TOLERANCE[torch.float32]
+    gate = next(s for s in sites(reports) if s.rule == "my_silu")
+    assert gate.prologue == [] and any("rule my_silu ranks higher" in note for note in gate.notes), gate
