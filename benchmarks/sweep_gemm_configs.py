@@ -3,6 +3,7 @@
     python benchmarks/sweep_gemm_configs.py [--m 1,4,16,32] [--suite qwen3_8b] [--budget-min 4]
     python benchmarks/sweep_gemm_configs.py --kernel gemm_fp8 --m 1,16      # a quantized kernel family
     python benchmarks/sweep_gemm_configs.py --kernel gemm_multi --m 1,8,32  # q, k and v in one launch
+    python benchmarks/sweep_gemm_configs.py --kernel gemm_glu --m 1,8,32    # the gated MLP kernel
 
 Each candidate runs the fused kernel (bias + GELU-tanh epilogue) under CUDA-graph replay, cycling
 through enough weight copies to defeat the L2, exactly as the benchmark times it; the fastest
@@ -16,6 +17,12 @@ The quantized families run the layers :mod:`helion_backend.quantize` builds (fp8
 per-token activations, int8 and int4 weight-only, block fp8), checked against the unfused quantized
 computation and timed against ``torch.compile`` default of the same layer. The int4 family's K block counts
 packed bytes (two columns of K) and block fp8's is fixed at one group, so they have candidates of their own.
+
+The gated MLP family (``gemm_glu``, rules/experimental/gated_mlp.toml) runs ``silu(x @ w_gate) * (x @ w_up)``
+at the suites' gate/up shapes (it skips the others), checked against float64 and timed against
+``torch.compile`` default of that expression (two cuBLAS GEMMs and Inductor's fused silu * mul). Its
+candidates are the 16-bit ones as the kernel runs them: without split-K, the K block fitted to two weight
+tiles. Its entries record their epilogue; the table's is the other families'.
 """
 
 from __future__ import annotations
@@ -37,9 +44,10 @@ import torch.nn.functional as F
 
 from benchmarks.bench_gemm import SUITES
 from helion_backend import dispatch
+from helion_backend.epilogue import apply_epilogue
 from helion_backend.kernels import configs
 from helion_backend.kernels.configs import PREQUANTIZE
-from helion_backend.kernels.gemm import gemm_epilogue_helion
+from helion_backend.kernels.gemm import gemm_epilogue_helion, glu_gemm_helion, glu_kernel_config
 from helion_backend.kernels.multi_gemm import multi_gemm_helion
 from helion_backend.kernels.quant_gemm import block_fp8_gemm_helion, int4_gemm_helion, quant_gemm_helion
 from helion_backend.norm import RmsNormSpec, rms_norm
@@ -49,6 +57,7 @@ from helion_backend.timing import copies_to_defeat_l2, time_callable_us
 from helion_backend.tuning import (
     TIMING,
     ConfigTable,
+    Measured,
     TuneKey,
     compiled_fallback,
     fastest_valid,
@@ -59,6 +68,9 @@ from helion_backend.tuning import (
 from helion_backend.vocabulary import FP8_BLOCK, FP8_BLOCK_FAMILY, INT4_FAMILY, MULTI_GEMM_FAMILY
 
 STEPS = ("bias", "gelu_tanh")
+GLU_FAMILY, GLU_STEPS = "gemm_glu", ("silu", "up_mul")
+# The (K, N) the gated kernel runs at: the suites' gate and up projections.
+GLU_SHAPES = frozenset((s.k, s.n) for shapes in SUITES.values() for s in shapes if s.name == "gate_up")
 # Quantized families: the helion_backend.quantize format whose layers they run.
 QUANT_FAMILIES = {"gemm_fp8": "fp8_dynamic", "gemm_int8": "int8_dynamic", "gemm_weight_only": "int8_weight_only",
                   INT4_FAMILY: "int4_weight_only", FP8_BLOCK_FAMILY: "fp8_block"}
@@ -144,10 +156,23 @@ def quant_candidates(kernel: str, m: int, n: int) -> list[helion.Config]:
     return candidates + candidate_configs(m, n, QUANT_CANDIDATES, **{PREQUANTIZE: True})
 
 
+def glu_candidates(m: int, n: int) -> list[helion.Config]:
+    """The 16-bit candidates as the gated kernel runs them (so that the table records what runs), each once."""
+    return list(dict.fromkeys(glu_kernel_config(c, torch.bfloat16.itemsize, False) for c in candidate_configs(m, n)))
+
+
 def sweep_key(kernel: str, k: int, n: int, m: int, device: torch.device) -> dict | None:
     if kernel == "gemm":
         return sweep_bf16_key(k, n, m, device)
+    if kernel == GLU_FAMILY:
+        return sweep_glu_key(k, n, m, device)
     return sweep_quant_key(kernel, k, n, m, device)
+
+
+def table_entry(key: dict, best: Measured, candidates: int, fallback_us: float) -> dict:
+    """The table entry of a swept key: its fields, the fastest config and its time, and torch.compile's."""
+    return {**key, "config": dict(best.config), "us": round(best.us, 2), "candidates": candidates,
+            "fallback_us": round(fallback_us, 2), "helion_wins": best.us < fallback_us}
 
 
 def sibling_groups(suite: str) -> list[tuple[int, tuple[int, ...]]]:
@@ -157,7 +182,7 @@ def sibling_groups(suite: str) -> list[tuple[int, tuple[int, ...]]]:
     return [] if q is None or kv is None else [(q.k, (q.n, kv.n, kv.n))]
 
 
-def sweep_multi_key(k: int, widths: tuple[int, ...], m: int, device: torch.device) -> dict:
+def sweep_multi_key(k: int, widths: tuple[int, ...], m: int, device: torch.device) -> dict | None:
     """q, k and v of RMS-normalized rows (a decoder's input norm, Hugging Face's spelling) in one launch, per
     candidate, against the three single-site Helion kernels with their table configs (the backend with
     ``merge_siblings`` off) and against torch.compile default of the norm and three linears."""
@@ -183,14 +208,14 @@ def sweep_multi_key(k: int, widths: tuple[int, ...], m: int, device: torch.devic
     reference = [rows @ w.double().t() for w in weights[0]]
     candidates = [c for c in candidate_configs(m, sum(widths)) if c["split_k"] == 1]
     best = fastest_valid(candidates, run, reference, timer)
+    if best is None:
+        return None
     torch._dynamo.reset()
     compiled = torch.compile(lambda x, nw, ws: [F.linear(rms_norm(x, nw, spec), w) for w in ws])
     fallback_us = timer(lambda i: compiled(xs[i % copies], norms[i % copies], weights[i % copies]))
     separate_us = timer(separate)
-    return {"kernel": MULTI_GEMM_FAMILY, "dtype": "bfloat16", "k": k, "n": sum(widths), "m": m,
-            "widths": list(widths), "config": dict(best.config), "us": round(best.us, 2),
-            "candidates": len(candidates), "separate_us": round(separate_us, 2), "fallback_us": round(fallback_us, 2),
-            "helion_wins": best.us < fallback_us}
+    key = {"kernel": MULTI_GEMM_FAMILY, "dtype": "bfloat16", "k": k, "n": sum(widths), "m": m, "widths": list(widths)}
+    return {**table_entry(key, best, len(candidates), fallback_us), "separate_us": round(separate_us, 2)}
 
 
 def sweep_bf16_key(k: int, n: int, m: int, device: torch.device) -> dict | None:
@@ -207,9 +232,34 @@ def sweep_bf16_key(k: int, n: int, m: int, device: torch.device) -> dict | None:
     if best is None:
         return None
     fallback_us = timer(compiled_fallback(inputs))
-    return {"dtype": key.dtype, "k": k, "n": n, "m": m, "config": dict(best.config), "us": round(best.us, 2),
-            "candidates": len(candidates), "fallback_us": round(fallback_us, 2),
-            "helion_wins": best.us < fallback_us}
+    return table_entry({"dtype": key.dtype, "k": k, "n": n, "m": m}, best, len(candidates), fallback_us)
+
+
+def sweep_glu_key(k: int, n: int, m: int, device: torch.device) -> dict | None:
+    """As :func:`sweep_bf16_key` for the gated kernel, whose two weights both stream from HBM on every call;
+    None at a shape that is no gate/up projection's."""
+    if (k, n) not in GLU_SHAPES:
+        return None
+    key = TuneKey(GLU_FAMILY, GLU_STEPS, "bfloat16", k, n, m)
+    copies = copies_to_defeat_l2(2 * k * n * torch.bfloat16.itemsize, device)  # two weights a call
+    gate, up = (make_inputs(key, device, copies, seed) for seed in (0, 1))
+    timer = functools.partial(time_callable_us, config=TIMING, device=device)
+    candidates = glu_candidates(m, n)
+
+    def run(config: helion.Config, i: int) -> torch.Tensor:
+        x, w_kn, *rest = gate.args(i)
+        return glu_gemm_helion(x, w_kn, up.args(i)[1], *rest, config=config)
+
+    x, w_gate, w_up = gate.xs[0].double(), gate.weights[0].double(), up.weights[0].double()
+    reference = apply_epilogue(x @ w_gate.t(), GLU_STEPS, [].__getitem__, [], x @ w_up.t())
+    best = fastest_valid(candidates, run, reference, timer)
+    if best is None:
+        return None
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w_gate, w_up: F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), dynamic=False)
+    fallback_us = timer(lambda i: compiled(gate.xs[i % copies], gate.weights[i % copies], up.weights[i % copies]))
+    return table_entry({"kernel": GLU_FAMILY, "dtype": key.dtype, "k": k, "n": n, "m": m, "epilogue": list(GLU_STEPS)},
+                       best, len(candidates), fallback_us)
 
 
 def sweep_quant_key(kernel: str, k: int, n: int, m: int, device: torch.device) -> dict | None:
@@ -230,9 +280,8 @@ def sweep_quant_key(kernel: str, k: int, n: int, m: int, device: torch.device) -
     torch._dynamo.reset()
     compiled = [torch.compile(lambda x, layer=layer: F.gelu(layer(x), approximate="tanh")) for layer in layers]
     fallback_us = timer(lambda i: compiled[i % copies](xs[i % copies]))
-    return {"kernel": kernel, "dtype": str(site.dtype).removeprefix("torch."), "k": k, "n": n, "m": m,
-            "config": dict(best.config), "us": round(best.us, 2), "candidates": len(candidates),
-            "fallback_us": round(fallback_us, 2), "helion_wins": best.us < fallback_us}
+    return table_entry({"kernel": kernel, "dtype": str(site.dtype).removeprefix("torch."), "k": k, "n": n, "m": m},
+                       best, len(candidates), fallback_us)
 
 
 def _quant_kernel_call(kernel: str, layers: list, xs: list, steps: tuple[str, ...], program) -> tuple:
@@ -287,7 +336,7 @@ def _channel_scale(layer: torch.nn.Module) -> torch.Tensor:
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--m", default="1,4,16,32", help="comma list of M values")
-    parser.add_argument("--kernel", default="gemm", choices=["gemm", MULTI_GEMM_FAMILY, *QUANT_FAMILIES],
+    parser.add_argument("--kernel", default="gemm", choices=["gemm", GLU_FAMILY, MULTI_GEMM_FAMILY, *QUANT_FAMILIES],
                         help="kernel family (gemm_multi: a decoder's q, k and v in one launch, after an RMSNorm)")
     parser.add_argument("--suite", default=",".join(SUITES), help="comma list of suites")
     parser.add_argument("--budget-min", type=float, default=0, help="start no new key after this long")

@@ -153,7 +153,7 @@ KERNEL_FAMILIES: dict[str, KernelFamily] = {
         KernelFamily(INT4_FAMILY, tuple(SUPPORTED_DTYPES), ("dequant_int4",), needs_prologue=True),
         KernelFamily(FP8_BLOCK_FAMILY, tuple(SUPPORTED_DTYPES), ("quant_fp8_per_group", "dequant_fp8_block"),
                      needs_prologue=True),
-        KernelFamily("gemm_glu", tuple(SUPPORTED_DTYPES), needs_steps=("up_mul",)),
+        KernelFamily("gemm_glu", tuple(SUPPORTED_DTYPES), (RMSNORM,), needs_steps=("up_mul",)),
     )
 }
 DEFAULT_KERNEL_FAMILY = "gemm"

@@ -10,8 +10,12 @@ import torch.nn.functional as F
 
 import helion_backend
 from helion_backend.report import GraphReport, SiteReport
+from helion_backend.rules import BUILTIN_RULES_DIR
 
 CPU_REWRITE = {"rewrite_on_cpu": True}
+# The experimental gated MLP rules (gate and up projections in one kernel), with the CPU rewrite.
+GATED_RULES = str(BUILTIN_RULES_DIR / "experimental" / "gated_mlp.toml")
+WITH_GATED = {**CPU_REWRITE, "rules": [GATED_RULES]}
 
 # Where device-generic tests run, and how: on CUDA with the default options (the Helion kernels run),
 # elsewhere with the CPU rewrite (the reference implementation runs).

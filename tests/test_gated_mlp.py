@@ -7,12 +7,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import CPU_REWRITE, compile_run, sites
+from helpers import WITH_GATED, compile_run, sites
 
-from helion_backend.rules import BUILTIN_RULES_DIR, RuleError, load_rule_file
-
-GATED_RULES = str(BUILTIN_RULES_DIR / "experimental" / "gated_mlp.toml")
-WITH_GATED = {**CPU_REWRITE, "rules": [GATED_RULES]}
+from helion_backend.rules import RuleError, load_rule_file
 
 
 class GatedMLP(nn.Module):

@@ -180,14 +180,21 @@ class _HFRMSNorm(torch.nn.Module):
         return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
+def _rmsnorm(spelling: str) -> torch.nn.Module:
+    """Hugging Face's norm ("hf") or ``nn.RMSNorm``, with a weight that is not all ones."""
+    if spelling == "hf":
+        return _HFRMSNorm(K)
+    norm = torch.nn.RMSNorm(K, eps=1e-5)
+    torch.nn.init.normal_(norm.weight, 1.0, 0.1)
+    return norm
+
+
 class _NormedQKV(torch.nn.Module):
     """An attention block's input norm read by q (with a bias), k and v; each GEMM takes it as a prologue."""
 
     def __init__(self, spelling: str) -> None:
         super().__init__()
-        self.norm = _HFRMSNorm(K) if spelling == "hf" else torch.nn.RMSNorm(K, eps=1e-5)
-        if spelling != "hf":
-            torch.nn.init.normal_(self.norm.weight, 1.0, 0.1)
+        self.norm = _rmsnorm(spelling)
         self.q, self.k, self.v = torch.nn.Linear(K, N), torch.nn.Linear(K, N // 2, bias=False), \
             torch.nn.Linear(K, N // 2, bias=False)
 
@@ -271,3 +278,41 @@ def test_rmsnorm_prologue_with_dynamic_m_crosses_the_threshold():
     dynamic = [s for rep in helion_backend.get_reports() for s in rep.sites if s.m == "dynamic"]
     assert len(dynamic) == 3 and all(s.prologue == ["rmsnorm"] and s.runs_on == "helion" for s in dynamic), dynamic
     assert all(s.kernel == "gemm_multi" for s in dynamic), dynamic
+
+
+class _NormedGatedMLP(torch.nn.Module):
+    """A Qwen3/Llama MLP with the decoder layer's post-attention norm before it."""
+
+    def __init__(self, spelling: str) -> None:
+        super().__init__()
+        self.norm = _rmsnorm(spelling)
+        self.gate, self.up = torch.nn.Linear(K, N, bias=False), torch.nn.Linear(K, N, bias=False)
+        self.down = torch.nn.Linear(N, K, bias=False)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+@pytest.mark.parametrize("spelling", ["hf", "nn_rmsnorm"])
+@pytest.mark.parametrize("m", [1, 8, 32, 33])
+def test_gated_mlp_with_rmsnorm_prologue_under_cuda_graphs(m, spelling):
+    """The experimental gated-MLP rule: norm, gate and up in one Helion kernel (M <= 32), or left to
+    Inductor (M = 33), against float64, replayed under CUDA graphs on fresh inputs."""
+    from helion_backend.rules import BUILTIN_RULES_DIR
+
+    torch.manual_seed(0)
+    model = _NormedGatedMLP(spelling).cuda().to(torch.bfloat16).eval()
+    reference = copy.deepcopy(model).double()
+    options = {"rules": [str(BUILTIN_RULES_DIR / "experimental" / "gated_mlp.toml")]}
+    helion_backend.clear_reports()
+    compiled = torch.compile(model, backend="helion_inductor", options=options)
+    with torch.no_grad():
+        for call in range(4):
+            x = torch.randn(1, m, K, device="cuda", dtype=torch.bfloat16) * 2
+            assert rel_err(compiled(x), reference(x.double())) <= 1e-2, (m, call)
+    gate, down = [s for rep in helion_backend.get_reports() for s in rep.sites]
+    assert (gate.rule, gate.kernel, gate.epilogue) == ("gated_mlp", "gemm_glu", ["silu", "up_mul"]), gate
+    # Above the limit Inductor's pad_mm may pad the rows, which then read the normalized value unfused.
+    assert m > 32 or gate.prologue == ["rmsnorm"], gate
+    assert all(s.runs_on == ("helion" if m <= 32 else "inductor") for s in (gate, down)), (gate, down)

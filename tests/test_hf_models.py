@@ -27,6 +27,8 @@ def config(name: str):
     }[name]()
 
 
+NORMS_FUSED = {"rewrite_on_cpu": True, "rmsnorm_prologue_max_m": 64}
+
 # Per layer: q, k, v, o, gate (+silu * up), up, down, for the Llama family; c_attn, c_proj, c_fc (+gelu),
 # mlp c_proj for GPT-2; plus the LM head.
 EXPECTED_SITES = {"llama": 7 * LAYERS + 1, "qwen3": 7 * LAYERS + 1, "mistral": 7 * LAYERS + 1, "gpt2": 4 * LAYERS + 1}
@@ -39,7 +41,8 @@ def test_decoder_matches_eager_and_fuses_every_projection(name):
     ids = torch.randint(0, VOCAB, (2, 7))
     with torch.no_grad():
         expected = model(ids).logits
-        compiled = torch.compile(model, backend="helion_inductor", options={"rewrite_on_cpu": True})
+        # 14 rows: above the default rmsnorm_prologue_max_m, which would keep the norms as kernels of their own.
+        compiled = torch.compile(model, backend="helion_inductor", options={**NORMS_FUSED})
         got = compiled(ids).logits
     assert ((got - expected).norm() / expected.norm()).item() < 1e-5
     found = [s for r in helion_backend.get_reports() for s in r.sites]
@@ -95,13 +98,14 @@ def test_quantized_decoder_fuses_every_projection_with_its_prologue(fmt):
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_gated_mlp_rules_fuse_gate_and_up_in_every_layer(name):
-    """With ``rules/experimental/gated_mlp.toml`` each layer's gate and up projections are one site."""
+    """With ``rules/experimental/gated_mlp.toml`` each layer's gate and up projections are one site, whose
+    kernel runs the post-attention norm."""
     from helion_backend.rules import BUILTIN_RULES_DIR
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config(name)).eval()
     ids = torch.randint(0, VOCAB, (2, 7))
-    options = {"rewrite_on_cpu": True, "rules": [str(BUILTIN_RULES_DIR / "experimental" / "gated_mlp.toml")]}
+    options = {**NORMS_FUSED, "rules": [str(BUILTIN_RULES_DIR / "experimental" / "gated_mlp.toml")]}
     with torch.no_grad():
         expected = model(ids).logits
         helion_backend.clear_reports()
@@ -109,4 +113,5 @@ def test_gated_mlp_rules_fuse_gate_and_up_in_every_layer(name):
     assert ((got - expected).norm() / expected.norm()).item() < 1e-5
     found = [s for r in helion_backend.get_reports() for s in r.sites]
     assert len(found) == EXPECTED_SITES[name] - LAYERS, [r.summary() for r in helion_backend.get_reports()]
-    assert sum(s.rule == "gated_mlp" for s in found) == LAYERS
+    gated = [s for s in found if s.rule == "gated_mlp"]
+    assert len(gated) == LAYERS and all(s.prologue == ["rmsnorm"] for s in gated), gated

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import compile_run, rel_err, sites
+from helpers import WITH_GATED, compile_run, rel_err, sites
 
 import helion_backend
 from helion_backend.norm import RmsNormSpec, parse_spec, rms_norm
@@ -259,3 +259,109 @@ def test_the_norm_fuses_only_up_to_rmsnorm_prologue_max_m(m, limit, fused):
     (site,) = sites(reports)
     assert site.runs_on == "reference" and site.prologue == (["rmsnorm"] if fused else [])
     assert any(f"M={m} > rmsnorm_prologue_max_m={limit}" in n for n in site.notes) != fused, site.notes
+
+
+# --------------------------------------------------------------------------------------------------
+# With the experimental gated MLP rules: the gate/up pair's kernel runs the norm for both projections.
+
+
+class NormedMLP(nn.Module):
+    """A Llama/Qwen3 decoder layer's MLP half: the post-attention norm, gate and up, silu * up, down, residual."""
+
+    def __init__(self, norm=HFRMSNorm) -> None:
+        super().__init__()
+        self.norm = norm(D)
+        self.gate, self.up = nn.Linear(D, FF, bias=False), nn.Linear(D, FF, bias=False)
+        self.down = nn.Linear(FF, D, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+@pytest.mark.parametrize("lead", [(5,), (2, 3)], ids=["2d", "3d"])
+@pytest.mark.parametrize("norm", [HFRMSNorm, nn_rmsnorm], ids=["hf", "nn_rmsnorm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_pair_fuses_the_norm_and_matches_eager(dtype, norm, lead, op_calls):
+    torch.manual_seed(0)
+    model = NormedMLP(norm).to(dtype).eval()
+    compiled = torch.compile(model, backend="helion_inductor", options=WITH_GATED)
+    with torch.no_grad():
+        for _ in range(2):  # the compiled graph, not a constant, on fresh inputs
+            x = torch.randn(*lead, D, dtype=dtype)
+            assert rel_err(compiled(x), model(x)) <= TOLERANCE[dtype]
+    gate, down = sites(helion_backend.get_reports())
+    assert (gate.rule, gate.kernel, gate.prologue, gate.epilogue) == ("gated_mlp", "gemm_glu", ["rmsnorm"],
+                                                                      ["silu", "up_mul"]), gate
+    assert not any(note.startswith("RMSNorm not fused") for note in gate.notes), gate.notes
+    assert (down.prologue, down.epilogue) == ([], ["residual"]), down
+    assert op_calls.count == 4  # two calls of the gated op and of the down projection's: gate and up are one
+
+
+def test_gated_pair_of_differently_normalized_activations_is_not_formed():
+    """Gate and up must read the same normalized rows for the kernel's one norm to serve both: with the
+    up projection reading the raw rows, or rows of another norm, each projection keeps its own site."""
+    torch.manual_seed(1)
+    model, other = NormedMLP().eval(), HFRMSNorm(D)
+    for up_input in (lambda x: x, other):
+        def fn(x, up_input=up_input):
+            return F.silu(model.gate(model.norm(x))) * model.up(up_input(x))
+
+        x = torch.randn(4, D)
+        with torch.no_grad():
+            got, reports = compile_run(fn, x, options=WITH_GATED)
+            assert rel_err(got, fn(x)) <= TOLERANCE[torch.float32]
+        gate, up = sites(reports)
+        assert gate.rule != "gated_mlp" and gate.prologue == ["rmsnorm"], gate
+        assert up.prologue == ([] if up_input is not other else ["rmsnorm"]), up
+
+
+def test_gated_pair_whose_normalized_value_has_another_reader_reads_it():
+    torch.manual_seed(3)
+    model = NormedMLP().eval()
+
+    def fn(x):
+        h = model.norm(x)
+        return F.silu(model.gate(h)) * model.up(h), h.sum(-1)
+
+    x = torch.randn(4, D)
+    with torch.no_grad():
+        (got, total), reports = compile_run(fn, x, options=WITH_GATED)
+        expected, expected_total = fn(x)
+    assert rel_err(got, expected) <= 1e-5 and rel_err(total, expected_total) <= 1e-5
+    (gate,) = sites(reports)
+    assert (gate.rule, gate.prologue) == ("gated_mlp", []), gate
+    assert sum(note.startswith("RMSNorm not fused: the normalized value is also read by") for note in gate.notes) == 1, \
+        gate.notes
+
+
+def test_gated_rule_without_a_prologue_reads_the_normalized_activation(tmp_path):
+    """A gated rule that takes no prologue still fuses the pair (it ranks above the rules that take the
+    norm); the norm then runs before the kernel, and the site's note says so."""
+    rules = tmp_path / "gated.toml"
+    rules.write_text('[[rule]]\nname = "my_gated"\nanchor = ["linear"]\nkernel = "gemm_glu"\n'
+                     'epilogue = ["silu", "up_mul"]\npriority = 50\n')
+    torch.manual_seed(2)
+    model = NormedMLP().eval()
+    x = torch.randn(2, 3, D)
+    with torch.no_grad():
+        got, reports = compile_run(model, x, options={"rewrite_on_cpu": True, "rules": [str(rules)]})
+        assert rel_err(got, model(x)) <= TOLERANCE[torch.float32]
+    gate, _ = sites(reports)
+    assert (gate.rule, gate.prologue) == ("my_gated", []), gate
+    assert any("rule my_gated ranks higher and takes no prologue" in note for note in gate.notes), gate.notes
+
+
+def test_a_pair_that_does_not_fuse_keeps_the_gate_site_as_matched(tmp_path):
+    """A user's rule above the gated one takes the gate alone, without the norm: the pairing that fails
+    must leave that site as it was, not bring the norm back under a rule that takes none."""
+    rules = tmp_path / "mine.toml"
+    rules.write_text('[[rule]]\nname = "my_silu"\nanchor = ["linear"]\nepilogue = ["silu"]\npriority = 100\n')
+    torch.manual_seed(4)
+    model = NormedMLP().eval()
+    x = torch.randn(2, 3, D)
+    with torch.no_grad():
+        got, reports = compile_run(model, x, options={**WITH_GATED, "rules": [*WITH_GATED["rules"], str(rules)]})
+        assert rel_err(got, model(x)) <= TOLERANCE[torch.float32]
+    gate = next(s for s in sites(reports) if s.rule == "my_silu")
+    assert gate.prologue == [] and any("rule my_silu ranks higher" in note for note in gate.notes), gate

@@ -43,15 +43,15 @@ def run_kernel(
     (user-tuned ones in ``config_dir`` first); ``program`` is a fused activation quantization, ``up_kn``
     a gated MLP's up projection, ``weight_scale`` the scales of a dequantized ``w_kn`` (packed int4's
     group scales, block fp8's block scales; block fp8 also has its activation's ``program``), ``norm``
-    a fused RMSNorm's weight and spec (the ``gemm`` family's prologue)."""
+    a fused RMSNorm's weight and spec (the ``gemm`` and ``gemm_glu`` families' prologue)."""
     if weight_scale is not None:
         extra = () if program is None else (program,)
         return KERNELS[kernel](x, w_kn, weight_scale, steps, operands, scalars, out_dtype, *extra,
                                config_dir=config_dir)
+    if up_kn is not None:
+        return KERNELS[kernel](x, w_kn, up_kn, steps, operands, scalars, out_dtype, config_dir=config_dir, norm=norm)
     if norm is not None:
         return KERNELS[kernel](x, w_kn, steps, operands, scalars, out_dtype, config_dir=config_dir, norm=norm)
-    if up_kn is not None:
-        return KERNELS[kernel](x, w_kn, up_kn, steps, operands, scalars, out_dtype, config_dir=config_dir)
     if program is not None:
         return KERNELS[kernel](x, w_kn, steps, operands, scalars, out_dtype, program, config_dir=config_dir)
     return KERNELS[kernel](x, w_kn, steps, operands, scalars, out_dtype, config_dir=config_dir)

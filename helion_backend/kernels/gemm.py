@@ -110,23 +110,39 @@ def rmsnorm_gemm_kernel(
 @helion.kernel(static_shapes=True, autotune_effort="none", dot_precision="ieee")
 def glu_gemm_kernel(
     x: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    eps: float,
     w: torch.Tensor,
     w_up: torch.Tensor,
     out: torch.Tensor,
     operands: list[torch.Tensor],
     scalars: list[float],
+    rounding: torch.dtype,
     epilogue: TileEpilogue,
 ) -> None:
     """``out = epilogue(x @ w, up=x @ w_up)``: a gated MLP's gate and up projections in one pass over x,
     both accumulators in registers, only the epilogue's result stored (no split-K: two workspaces would
-    cost what the fusion saves)."""
+    cost what the fusion saves). With ``norm_weight`` x's rows are RMS-normalized first, as in
+    :func:`rmsnorm_gemm_kernel`; Helion specializes a None argument, so without it the norm's branches
+    vanish at compile time. The block sizes are registered in ``gemm_kernel``'s order, [M, N, K], with
+    or without the norm (whose loop shares the K block): one config layout serves both."""
     m, k = x.size()
     n = w.size(1)
-    for tile_m, tile_n in hl.tile([m, n]):
+    block_m, block_n, block_k = hl.register_block_size(m), hl.register_block_size(n), hl.register_block_size(k)
+    for tile_m, tile_n in hl.tile([m, n], block_size=[block_m, block_n]):
+        if norm_weight is not None:
+            # rmsnorm_gemm_kernel's loop, written out: Helion traces a called function's ops, not its loops.
+            sum_of_squares = hl.zeros([tile_m], dtype=torch.float32)
+            for tile_k in hl.tile(k, block_size=block_k):
+                rows = x[tile_m, tile_k].to(torch.float32)
+                sum_of_squares = sum_of_squares + (rows * rows).sum(-1)
+            rstd = norm_module.rstd_from_sum_of_squares(sum_of_squares, k, eps)[:, None]
         acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
         acc_up = hl.zeros([tile_m, tile_n], dtype=torch.float32)
-        for tile_k in hl.tile(k):
+        for tile_k in hl.tile(k, block_size=block_k):
             x_tile = x[tile_m, tile_k]
+            if norm_weight is not None:
+                x_tile = norm_module.normalize(x_tile, rstd, norm_weight[tile_k], rounding)
             acc = torch.addmm(acc, x_tile, w[tile_k, tile_n])
             acc_up = torch.addmm(acc_up, x_tile, w_up[tile_k, tile_n])
         out[tile_m, tile_n] = epilogue(acc, operands, scalars, tile_m, tile_n, acc_up).to(out.dtype)
@@ -195,17 +211,21 @@ def tile_epilogue(steps: tuple[str, ...], after: tuple[str, ...] = ()) -> TileEp
     return epilogue
 
 
-# Config keys that mean the same in rmsnorm_gemm_kernel as in gemm_kernel; the others (per-loop and
-# per-load lists) are sized for gemm_kernel's loops and are left to their defaults.
+# Config keys that mean the same in a kernel with the RMSNorm's extra loop and loads as in the kernel the
+# config was made for; the others (per-loop and per-load lists) are sized for that kernel's loops and are
+# left to their defaults.
 _NORM_CONFIG_KEYS = ("num_warps", "num_stages", "split_k", "pid_type", "l2_groupings")
+
+
+def _norm_safe_keys(config: helion.Config) -> dict[str, object]:
+    return {key: config[key] for key in _NORM_CONFIG_KEYS if key in config}
 
 
 @functools.cache  # on every launch
 def norm_kernel_config(config: helion.Config) -> helion.Config:
     """``gemm_kernel``'s config for :func:`rmsnorm_gemm_kernel`: the K block size comes first there."""
     block_m, block_n, block_k = config["block_sizes"]
-    kept = {key: config[key] for key in _NORM_CONFIG_KEYS if key in config}
-    return helion.Config(block_sizes=[block_k, block_m, block_n], **kept)
+    return helion.Config(block_sizes=[block_k, block_m, block_n], **_norm_safe_keys(config))
 
 
 class Layout(NamedTuple):
@@ -230,6 +250,13 @@ class Signature(NamedTuple):
     out_dtype: torch.dtype
     # A fused RMSNorm: its weight and whether it rounds to x's dtype before the weight multiply.
     norm: tuple[Layout, bool] | None = None
+
+    @classmethod
+    def of(cls, x: torch.Tensor, w_kn: torch.Tensor, operands: list[torch.Tensor], scalars: list[float],
+           steps: tuple[str, ...], out_dtype: torch.dtype,
+           norm: tuple[torch.Tensor, RmsNormSpec] | None) -> Signature:
+        return cls(Layout.of(x), Layout.of(w_kn), tuple(map(Layout.of, operands)), len(scalars), steps, out_dtype,
+                   None if norm is None else (Layout.of(norm[0]), norm[1].round_before_weight))
 
 
 @functools.cache
@@ -332,10 +359,7 @@ def gemm_epilogue_helion(
     steps = tuple(steps)
     operands = list(operands)
     scalars = [float(s) for s in scalars]
-    sig = Signature(
-        Layout.of(x), Layout.of(w_kn), tuple(map(Layout.of, operands)), len(scalars), steps, out_dtype,
-        None if norm is None else (Layout.of(norm[0]), norm[1].round_before_weight),
-    )
+    sig = Signature.of(x, w_kn, operands, scalars, steps, out_dtype, norm)
     check_signature(sig)
     check_family_steps(steps, DEFAULT_KERNEL_FAMILY)
     (m, k), n = x.shape, w_kn.shape[1]
@@ -349,10 +373,9 @@ def gemm_epilogue_helion(
     if norm is None:
         compiled_kernel(gemm_kernel, gemm_args, sig, config, splits)(*gemm_args)
     else:
-        weight, spec = norm
+        weight, eps, rounding = norm_kernel_args(norm, x)
         x, w_kn, workspace = gemm_args[:3]
-        norm_args = (x, weight, spec.eps, w_kn, workspace, operands, scalars,
-                     norm_module.round_dtype(spec, x.dtype), epilogue)
+        norm_args = (x, weight, eps, w_kn, workspace, operands, scalars, rounding, epilogue)
         compiled_kernel(rmsnorm_gemm_kernel, norm_args, sig, norm_kernel_config(config), splits)(*norm_args)
     return finish_split_k(gemm_args[2], out, split_k, sig, operands, scalars, epilogue)
 
@@ -370,6 +393,17 @@ def gemm_kernel_args(
     return (x, w_kn, split_k_target(out, x.shape[1], split_k), operands, scalars, epilogue)
 
 
+def norm_kernel_args(
+    norm: tuple[torch.Tensor, RmsNormSpec] | None, x: torch.Tensor
+) -> tuple[torch.Tensor | None, float, torch.dtype]:
+    """``(norm_weight, eps, rounding)`` as the kernels with an RMSNorm prologue take them; without a norm,
+    a None weight (which Helion specializes away) and unused placeholders."""
+    if norm is None:
+        return None, 0.0, torch.float32
+    weight, spec = norm
+    return weight, spec.eps, norm_module.round_dtype(spec, x.dtype)
+
+
 def glu_gemm_helion(
     x: torch.Tensor,
     w_kn: torch.Tensor,
@@ -380,11 +414,14 @@ def glu_gemm_helion(
     out_dtype: torch.dtype,
     config: helion.Config | None = None,
     config_dir: str | None = None,
+    norm: tuple[torch.Tensor, RmsNormSpec] | None = None,
 ) -> torch.Tensor:
     """``epilogue(x @ w_kn)`` with the epilogue's ``up_mul`` multiplying by ``x @ up_kn``, as a contiguous
-    [M, N] ``out_dtype`` tensor: one kernel, x read once for both projections."""
+    [M, N] ``out_dtype`` tensor: one kernel, x read once for both projections. ``config`` is in
+    ``gemm_kernel``'s layout (:func:`glu_kernel_config` adapts it). With ``norm`` (an RMSNorm's weight and
+    spec) both projections multiply the rows of x RMS-normalized as :mod:`helion_backend.norm` says."""
     steps, operands, scalars = tuple(steps), list(operands), [float(s) for s in scalars]
-    sig = Signature(Layout.of(x), Layout.of(w_kn), tuple(map(Layout.of, operands)), len(scalars), steps, out_dtype)
+    sig = Signature.of(x, w_kn, operands, scalars, steps, out_dtype, norm)
     check_signature(sig)
     check_family_steps(steps, "gemm_glu")
     if Layout.of(up_kn)[:2] != Layout.of(w_kn)[:2]:
@@ -393,18 +430,26 @@ def glu_gemm_helion(
     (m, k), n = x.shape, w_kn.shape[1]
     if config is None:
         config = config_for(m, k, n, x.dtype, x.device, config_dir, "gemm_glu")
-    config = _fit_two_weights(config, x.dtype.itemsize)
+    config = glu_kernel_config(config, x.dtype.itemsize, norm is not None)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    args = (x, w_kn, up_kn, out, operands, scalars, tile_epilogue(steps))
+    weight, eps, rounding = norm_kernel_args(norm, x)
+    args = (x, weight, eps, w_kn, up_kn, out, operands, scalars, rounding, tile_epilogue(steps))
     compiled_kernel(glu_gemm_kernel, args, (sig, Layout.of(up_kn)), config, 1)(*args)
     return out
+
+
+@functools.cache  # on every launch
+def glu_kernel_config(config: helion.Config, itemsize: int, normed: bool) -> helion.Config:
+    """``gemm_kernel``'s config for :func:`glu_gemm_kernel`, whose block sizes come in the same order: fitted
+    to two weight tiles, and with the norm only the keys that its extra loop and loads leave meaning the same."""
+    config = _fit_two_weights(config, itemsize)
+    return helion.Config(block_sizes=config["block_sizes"], **_norm_safe_keys(config)) if normed else config
 
 
 # Shared memory a pipelined config may use for its tiles (the H100/H200 limit is 227 KB a block).
 _SHARED_MEMORY_BUDGET = 160 * 1024
 
 
-@functools.cache  # on every launch
 def _fit_two_weights(config: helion.Config, itemsize: int) -> helion.Config:
     """``config`` for the gated kernel: without a split-K factor (it has no such tunable), and the K
     block halved until the stages of x's tile and two weight tiles fit in shared memory (a config sized

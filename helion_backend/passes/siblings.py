@@ -6,6 +6,10 @@ multiply as ``up_mul``. If a rule of the ``gemm_glu`` family takes it, the up pr
 absorbed: one kernel computes both accumulators, reading x once, and stores only the product.
 Otherwise both sites stay as match left them. The weights are read where they are: nothing is
 concatenated, so the fusion stays correct when the parameters change.
+
+An RMSNorm fused into the gate's site stays its prologue where the gated rule takes one: the pairing
+compares the nodes the two GEMMs read (the norm's result, not the prologue's input), so the up
+projection reads the same normalized activation and the kernel normalizes x once for both.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch.fx as fx
 from ..patterns import val
 from ..vocabulary import ACTIVATIONS, RMSNORM, SUPPORTED_DTYPES
 from .context import GemmSite, PassContext, Step
-from .match import choose_rule, follow_chain, fuse_rmsnorm
+from .match import choose_rule, follow_chain
 
 aten = torch.ops.aten
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
@@ -32,34 +36,31 @@ def run(ctx: PassContext) -> None:
 
 
 def _try_gated(site: GemmSite, plain: dict[fx.Node, GemmSite], ctx: PassContext) -> None:
-    chosen = (site.chain, site.rule, site.reason)
-    follow_chain(site)  # the whole chain, not the prefix the chosen rule kept
+    matched = _snapshot(site)
+    follow_chain(site)  # the whole chain, not the prefix the chosen rule kept, and the norm if match dropped it
+    site.notes = list(matched["notes"])  # follow_chain's notes repeat match's
     steps = [(i, s) for i, s in enumerate(site.chain) if not s.transparent]
     up = _up_projection(site, steps, plain)
-    if up is None:
-        site.chain, site.rule, site.reason = chosen
-        return
-    i, mul = steps[1]
-    normed = site.rms_norm is not None
-    if normed:  # gemm_glu runs no prologue: the gated kernel reads the normalized activation
-        site.drop_prologue()
-    site.chain = [*site.chain[:i], Step("up_mul", mul.nodes), *site.chain[i + 1:]]
-    site.up_weight, site.up_layout = up.weight, up.weight_layout
-    choose_rule(site, ctx.rules)
-    if site.rule is not None and site.rule.kernel == "gemm_glu":
-        ctx.sites.remove(up)
-        site.notes.append(f"the up projection {up.anchor.name} runs in the same kernel (x read once)")
-        if normed:
-            site.notes.append("RMSNorm not fused: the gated MLP kernel has no prologue")
-        return
-    site.up_weight = None
-    if normed:
-        fuse_rmsnorm(site)
-    site.chain, site.rule, site.reason = chosen
+    if up is not None:
+        i, mul = steps[1]
+        site.chain = [*site.chain[:i], Step("up_mul", mul.nodes), *site.chain[i + 1:]]
+        site.up_weight, site.up_layout = up.weight, up.weight_layout
+        choose_rule(site, ctx.rules)  # drops the norm, with a note, where the gated rule takes no prologue
+        if site.rule is not None and site.rule.kernel == "gemm_glu":
+            ctx.sites.remove(up)
+            site.notes.append(f"the up projection {up.anchor.name} runs in the same kernel (x read once)")
+            return
+    vars(site).update(matched)
+
+
+def _snapshot(site: GemmSite) -> dict[str, object]:
+    """The site's fields, to put back when the attempt fails; lists are copied (passes append to them)."""
+    return {name: list(value) if isinstance(value, list) else value for name, value in vars(site).items()}
 
 
 def _up_projection(site: GemmSite, steps: list[tuple[int, Step]], plain: dict[fx.Node, GemmSite]) -> GemmSite | None:
-    """The plain GEMM site that the site's second step multiplies by, when it is a gated MLP's up."""
+    """The plain GEMM site that the site's second step multiplies by, when it is a gated MLP's up: it reads
+    the very activation the site's GEMM reads (with an RMSNorm, the norm's result)."""
     if len(steps) < 2 or steps[0][1].name not in ACTIVATIONS or steps[1][1].name != "mul":
         return None
     mul = steps[1][1]
@@ -73,7 +74,7 @@ def _up_projection(site: GemmSite, steps: list[tuple[int, Step]], plain: dict[fx
 
 
 def _is_float(site: GemmSite) -> bool:
-    """A float GEMM whose prologue, if any, is an RMSNorm (which the gated site drops)."""
+    """A float GEMM whose prologue, if any, is an RMSNorm (which the gated kernel runs too)."""
     return (site.dtype in SUPPORTED_DTYPES.values()
             and all(step.name == RMSNORM for step in site.prologue))
 
