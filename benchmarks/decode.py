@@ -311,8 +311,10 @@ def lm_head_kind(model: Decoder) -> str:
     return type(model.lm_head).__name__
 
 
-def compile_variant(variant: str, model: nn.Module, device: torch.device) -> Callable[..., torch.Tensor]:
-    """``model`` as the variant runs it; every compiled variant has static shapes and CUDA graphs on a GPU."""
+def compile_variant(variant: str, model: nn.Module, device: torch.device,
+                    helion_rules: Sequence[str] = ()) -> Callable[..., torch.Tensor]:
+    """``model`` as the variant runs it; every compiled variant has static shapes and CUDA graphs on a GPU.
+    ``helion_rules`` are rule files the helion_inductor variant loads besides the shipped ones."""
     if variant == "eager":
         return model
     if variant == "reduce_overhead":
@@ -324,7 +326,7 @@ def compile_variant(variant: str, model: nn.Module, device: torch.device) -> Cal
         # The backend turns CUDA graphs on by default for graphs on CUDA; a CPU graph is rewritten only
         # when asked (its fused sites then run the reference implementation).
         options = {} if device.type == "cuda" else {"rewrite_on_cpu": True}
-        return torch.compile(model, backend=HELION, options=options, dynamic=False)
+        return torch.compile(model, backend=HELION, options={**options, "rules": list(helion_rules)}, dynamic=False)
     raise ValueError(f"unknown variant {variant!r}")
 
 
@@ -521,7 +523,7 @@ def _measure_into(result: RowResult, variant: str, model: Decoder, inputs: Decod
     counters.clear()
     if variant == HELION:
         import_helion_backend().clear_reports()
-    step = model_step(compile_variant(variant, model, device), variant)
+    step = model_step(compile_variant(variant, model, device, plan.helion_rules), variant)
 
     start = time.perf_counter()
     first = step(inputs.tokens_a, inputs.pos_a).clone()
@@ -700,6 +702,7 @@ def markdown(metadata: dict, rows: Sequence[dict]) -> str:
         f"- GPU µs: {metadata['gpu_method']}",
         f"- rel err: {metadata['error_method']}",
         f"- compile s: {metadata['compile_method']}",
+        f"- helion_inductor rules besides the shipped ones: `{metadata.get('helion_rules') or 'none'}`",
         f"- rows run: {len(rows)}; skipped by the time budget: {len(metadata['skipped'])}"
         + ("" if metadata["complete"] else " (run incomplete)"),
         "",
@@ -769,6 +772,7 @@ class Plan:
     steps: int  # timed steps per variant (wall time, and GPU time)
     warmup: int  # untimed steps after the first call
     seed: int = 0
+    helion_rules: tuple[str, ...] = ()  # extra rule files for the helion_inductor variant
 
 
 PRESETS = {
@@ -810,6 +814,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help=f"comma list of {FORMATS} (default bf16,fp8_dynamic)")
     parser.add_argument("--batch", type=int_list, help="comma list of batch sizes (default 1,8,32)")
     parser.add_argument("--variants", type=comma_list(VARIANTS), help="comma list of variants")
+    parser.add_argument("--helion-rules", nargs="+", metavar="TOML",
+                        help="rule files helion_inductor loads besides the shipped ones "
+                             "(e.g. rules/experimental/gated_mlp.toml)")
     parser.add_argument("--layers", type=int, help="decoder layers (default 4; smoke 1)")
     parser.add_argument("--context", type=int, help="cache positions filled before the step (default 512)")
     parser.add_argument("--max-len", type=int, help="cache length (default 1024)")
@@ -828,7 +835,8 @@ def resolve_plan(args: argparse.Namespace) -> Plan:
     shape = {"layers": args.layers, "context": args.context, "max_len": args.max_len}
     config = dataclasses.replace(plan.config, **{k: v for k, v in shape.items() if v is not None})
     overrides = {"formats": args.formats, "batches": args.batch, "variants": args.variants,
-                 "steps": args.steps, "warmup": args.warmup, "seed": args.seed}
+                 "steps": args.steps, "warmup": args.warmup, "seed": args.seed,
+                 "helion_rules": tuple(args.helion_rules) if args.helion_rules else None}
     return dataclasses.replace(plan, config=config, **{k: v for k, v in overrides.items() if v is not None})
 
 
@@ -843,6 +851,7 @@ def run_metadata_for(plan: Plan, device: torch.device) -> dict[str, object]:
         "steps": plan.steps,
         "warmup": plan.warmup,
         "seed": plan.seed,
+        "helion_rules": list(plan.helion_rules),
         "tolerances": {fmt: TOLERANCES[fmt] for fmt in plan.formats},
         "base_tolerances": {fmt: BASE_TOLERANCES[fmt] for fmt in plan.formats if fmt in BASE_TOLERANCES},
         "wall_method": WALL_METHOD,

@@ -63,20 +63,30 @@ def randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 
 class OpCalls:
-    """Counts the fused op's executions (it is an extern call, so each one goes through dispatch)."""
+    """Counts the fused ops' executions (extern calls, so each one goes through dispatch): ``epilogues``
+    has one entry per site run (a shared launch runs several), ``launches`` one per op call."""
 
     def __init__(self, monkeypatch) -> None:
         from helion_backend import dispatch
+        from helion_backend.epilogue import OUTPUT_SEPARATOR
 
         self.epilogues: list[str] = []
-        original = dispatch.run_gemm_epilogue
-        signature = inspect.signature(original)
+        self.launches = 0
+        single, multi = dispatch.run_gemm_epilogue, dispatch.run_multi_gemm_epilogue
+        single_signature, multi_signature = inspect.signature(single), inspect.signature(multi)
 
-        def counting(*args, **kwargs):
-            self.epilogues.append(signature.bind(*args, **kwargs).arguments["epilogue"])
-            return original(*args, **kwargs)
+        def counting_single(*args, **kwargs):
+            self.launches += 1
+            self.epilogues.append(single_signature.bind(*args, **kwargs).arguments["epilogue"])
+            return single(*args, **kwargs)
 
-        monkeypatch.setattr(dispatch, "run_gemm_epilogue", counting)
+        def counting_multi(*args, **kwargs):
+            self.launches += 1
+            self.epilogues += multi_signature.bind(*args, **kwargs).arguments["epilogues"].split(OUTPUT_SEPARATOR)
+            return multi(*args, **kwargs)
+
+        monkeypatch.setattr(dispatch, "run_gemm_epilogue", counting_single)
+        monkeypatch.setattr(dispatch, "run_multi_gemm_epilogue", counting_multi)
 
     @property
     def count(self) -> int:

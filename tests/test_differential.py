@@ -51,6 +51,7 @@ NUM_PROGRAMS = int(os.environ.get("HELION_INDUCTOR_FUZZ_PROGRAMS", "300"))
 BASE_SEED = int(os.environ.get("HELION_INDUCTOR_FUZZ_SEED", "0"))
 BATCH_SIZE = 5  # programs per compiled graph: fewer compiles, yet a failure report stays readable
 CHAIN_PROBABILITY = 0.3  # that a program's GEMM reads the previous program's result
+SIBLING_PROBABILITY = 0.25  # that it reads the previous program's activation (q, k, v: one shared launch)
 PAD_MM_PROBABILITY = 0.5  # that a batch compiles with Inductor padding unaligned GEMM rows
 MAX_HELION_SIZE = BackendOptions().max_helion_size
 DTYPES = tuple(TOLERANCE)
@@ -103,10 +104,11 @@ class Program:
     operand_dtype: torch.dtype  # of the epilogue's bias, residual and mul operands
     plan: list[str]  # step names, "cast:<dtype>" for casts, and SHARE entries
     chained: bool = False  # x is the previous program's result (in this program's dtype)
+    shares_x: bool = False  # x is the previous program's x (a sibling GEMM of the same activation)
     weights: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def describe(self) -> str:
-        x_view = "previous result" if self.chained else self.x_view
+        x_view = "previous result" if self.chained else "previous x" if self.shares_x else self.x_view
         return (f"seed={self.seed} {self.gemm}[{self.weight_view}] x[{x_view}] lead={self.lead} "
                 f"k={self.k} n={self.n} {self.dtype} operands={self.operand_dtype} plan={self.plan}")
 
@@ -146,13 +148,18 @@ class Program:
             "mask": torch.rand(*shape, self.n, generator=gen, device=DEVICE) < 0.5,
         }
 
-    def forward(self, t: dict[str, torch.Tensor], reference: bool, previous: torch.Tensor | None = None
-                ) -> list[torch.Tensor]:
-        """The program; ``reference`` keeps float64 throughout (casts become no-ops). A chained program
-        reads the previous program's result ``previous`` as x."""
-        x, w, b = t["x"], t["w"], t["b"]
+    def activation(self, t: dict[str, torch.Tensor], reference: bool, previous: Step | None) -> torch.Tensor:
+        """What the GEMM multiplies: its own x, the previous program's result (chained, in this program's
+        dtype) or the previous program's x (siblings)."""
         if self.chained:
-            x = previous if reference else previous.to(self.dtype)
+            return previous.results[0] if reference else previous.results[0].to(self.dtype)
+        return previous.x if self.shares_x else t["x"]
+
+    def forward(self, t: dict[str, torch.Tensor], reference: bool, previous: Step | None = None) -> Step:
+        """The program on its :meth:`activation`; ``reference`` keeps float64 throughout (casts become
+        no-ops). ``previous`` is what the previous program read and returned."""
+        x = self.activation(t, reference, previous)
+        w, b = t["w"], t["b"]
         gemm = self.gemm
         if gemm == "linear":
             h = F.linear(x, w)
@@ -180,7 +187,15 @@ class Program:
                 h = h if reference else h.to(_dtype(entry))
             else:
                 h = _POINTWISE[entry](h, t)
-        return [h, *outputs]
+        return Step(x, [h, *outputs])
+
+
+@dataclass
+class Step:
+    """What one program read and returned, for the next one to read."""
+
+    x: torch.Tensor
+    results: list[torch.Tensor]
 
 
 def _dtype(entry: str) -> torch.dtype:
@@ -219,16 +234,18 @@ _POINTWISE: dict[str, Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Te
 assert set(_POINTWISE) | {"cast"} == set(STEPS)
 
 
-def random_program(seed: int, n: int, after: Program | None = None) -> Program:
+def random_program(seed: int, n: int, after: Program | None = None, sibling: Program | None = None) -> Program:
     """The program of ``seed``, with output width ``n`` (the batch keeps widths distinct); chained to
     ``after`` if given: its GEMM then reads that program's result, as a decoder layer's GEMMs read the
-    results of the sites before them."""
+    results of the sites before them; or a ``sibling``'s: its GEMM reads that program's activation, as
+    q, k and v read theirs."""
     rng = random.Random(seed)
-    dtype = rng.choice(DTYPES)
+    dtype = rng.choice(DTYPES) if sibling is None else sibling.dtype
     gemm = rng.choice(sorted(GEMMS))
     lead = () if gemm in TWO_D_ONLY or rng.random() < 0.4 else (rng.choice([2, 3]),)
-    if after is not None and after.lead != lead:
-        lead = after.lead
+    neighbour = after or sibling
+    if neighbour is not None and neighbour.lead != lead:
+        lead = neighbour.lead
         gemm = rng.choice(sorted(set(GEMMS) - TWO_D_ONLY)) if lead else gemm
     plan: list[str] = []
     for _ in range(rng.choice([0, 1, 2, 2, 3, 3, 4, 5])):
@@ -245,8 +262,9 @@ def random_program(seed: int, n: int, after: Program | None = None) -> Program:
     program = Program(
         seed=seed, dtype=dtype, gemm=gemm, weight_view=rng.choice(["contiguous", "transposed", "sliced"]),
         x_view=rng.choice(["contiguous", "contiguous", "sliced", "transposed", "strided"]), lead=lead,
-        k=after.n if after is not None else rng.choice([8, 16, 24, 48, 64]), n=n,
-        operand_dtype=rng.choice([dtype, dtype, torch.float32]), plan=plan, chained=after is not None,
+        k=after.n if after is not None else sibling.k if sibling is not None else rng.choice([8, 16, 24, 48, 64]),
+        n=n, operand_dtype=rng.choice([dtype, dtype, torch.float32]), plan=plan, chained=after is not None,
+        shares_x=sibling is not None,
     )
     program.weights = _weights(program, rng.random() < 0.5, torch.Generator(device=DEVICE).manual_seed(seed))
     return program
@@ -307,8 +325,11 @@ def random_batch(index: int) -> Batch:
     widths = rng.sample([8, 16, 24, 32, 40, 48, 56, 64], count)
     programs: list[Program] = []
     for i, n in enumerate(widths):
-        chain = bool(programs) and rng.random() < CHAIN_PROBABILITY
-        programs.append(random_program(first + i, n, after=programs[-1] if chain else None))
+        roll = rng.random()
+        chain = bool(programs) and roll < CHAIN_PROBABILITY
+        sibling = bool(programs) and not chain and roll < CHAIN_PROBABILITY + SIBLING_PROBABILITY
+        programs.append(random_program(first + i, n, after=programs[-1] if chain else None,
+                                       sibling=programs[-1] if sibling else None))
     mode = rng.choice(["static", "static", "mark_dynamic", "dynamic"])
     if mode == "static":
         tokens: tuple[int, ...] = (rng.choice([1, 2, 3, 5, 8, 17, 37]),)
@@ -356,9 +377,8 @@ class _BatchModule(torch.nn.Module):
         for i, p in enumerate(self.programs):
             t = dict(zip(TOKEN_INPUTS, token_inputs[i * len(TOKEN_INPUTS):(i + 1) * len(TOKEN_INPUTS)]))
             t.update(zip(STATIC_INPUTS, list(self.weights)[i * len(STATIC_INPUTS):(i + 1) * len(STATIC_INPUTS)]))
-            results = p.forward(t, reference=False, previous=previous)
-            outputs.extend(results)
-            previous = results[0]
+            previous = p.forward(t, reference=False, previous=previous)
+            outputs.extend(previous.results)
         return tuple(outputs)
 
 
@@ -371,9 +391,8 @@ def _batch_function(programs: list[Program]) -> Callable[..., tuple[torch.Tensor
         previous = None
         for i, p in enumerate(programs):
             t = dict(zip(names, tensors[i * len(names):(i + 1) * len(names)]))
-            results = p.forward(t, reference=False, previous=previous)
-            outputs.extend(results)
-            previous = results[0]
+            previous = p.forward(t, reference=False, previous=previous)
+            outputs.extend(previous.results)
         return tuple(outputs)
 
     return run
@@ -452,16 +471,16 @@ def _check_sites(batch: Batch, reports: list[GraphReport], xs: list[torch.Tensor
             assert site.runs_on == "reference", context
 
 
-def _run_eagerly(programs: list[Program], inputs: list[dict[str, torch.Tensor]]
-                 ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
-    """Each program's eager outputs and float64 outputs; a chained program reads its predecessor's."""
-    eager: list[list[torch.Tensor]] = []
-    reference: list[list[torch.Tensor]] = []
+def _run_eagerly(programs: list[Program], inputs: list[dict[str, torch.Tensor]]) -> tuple[list[Step], list[Step]]:
+    """Each program's eager and float64 steps; a chained program reads its predecessor's result, a sibling
+    its predecessor's x."""
+    eager: list[Step] = []
+    reference: list[Step] = []
     for p, t in zip(programs, inputs):
         t = {**t, **p.weights}
-        eager.append(p.forward(t, reference=False, previous=eager[-1][0] if eager else None))
+        eager.append(p.forward(t, reference=False, previous=eager[-1] if eager else None))
         t64 = {k: v.double() if v.is_floating_point() else v for k, v in t.items()}
-        reference.append(p.forward(t64, reference=True, previous=reference[-1][0] if reference else None))
+        reference.append(p.forward(t64, reference=True, previous=reference[-1] if reference else None))
     return eager, reference
 
 
@@ -498,11 +517,10 @@ def test_random_programs_match_float64_like_eager(index: int, op_calls) -> None:
         eager_results, reference_results = _run_eagerly(programs, inputs)
         if compiled_now:  # this call compiled (first call, or a recompile): check what it found
             found = sites(compiled_now)
-            xs = [eager_results[i - 1][0] if p.chained else t["x"] for i, (p, t) in enumerate(zip(programs, inputs))]
-            _check_sites(batch, compiled_now, xs, tokens, context)
+            _check_sites(batch, compiled_now, [step.x for step in eager_results], tokens, context)
         for p, eager, reference in zip(programs, eager_results, reference_results):
             got, outputs = outputs[: p.num_outputs], outputs[p.num_outputs:]
-            for g, e, r in zip(got, eager, reference, strict=True):
+            for g, e, r in zip(got, eager.results, reference.results, strict=True):
                 assert (g.dtype, g.shape) == (e.dtype, e.shape), f"{g.dtype} {g.shape} != eager's\n{context}"
                 err, eager_err = rel_err(g, r), rel_err(e, r)
                 assert err <= max(p.tolerance, 3 * eager_err), \

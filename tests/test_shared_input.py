@@ -33,20 +33,6 @@ class QKV(nn.Module):
         return [*outs[:-1], torch.relu(outs[-1])]
 
 
-class MultiOpCalls:
-    """Counts ``multi_gemm_epilogue`` executions."""
-
-    def __init__(self, monkeypatch) -> None:
-        self.count = 0
-        original = dispatch.run_multi_gemm_epilogue
-
-        def counting(*args, **kwargs):
-            self.count += 1
-            return original(*args, **kwargs)
-
-        monkeypatch.setattr(dispatch, "run_multi_gemm_epilogue", counting)
-
-
 def _check_against_eager(model: nn.Module, x: torch.Tensor, dtype: torch.dtype, options: dict | None = None):
     with torch.no_grad():
         got, reports = compile_run(model, x, options=options)
@@ -58,22 +44,20 @@ def _check_against_eager(model: nn.Module, x: torch.Tensor, dtype: torch.dtype, 
 @pytest.mark.parametrize("shape", [(5, D), (2, 3, D)], ids=["2d", "3d"])
 @pytest.mark.parametrize("norm, bias", [(True, False), (False, True)], ids=["rmsnorm", "bias"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_qkv_run_in_one_launch_and_match_eager(shape, norm, bias, dtype, monkeypatch):
+def test_qkv_run_in_one_launch_and_match_eager(shape, norm, bias, dtype, op_calls):
     torch.manual_seed(0)
-    calls = MultiOpCalls(monkeypatch)
     model = QKV(norm, bias).to(dtype).eval()
     found = _check_against_eager(model, torch.randn(*shape, dtype=dtype), dtype)
-    assert calls.count == 1
+    assert (op_calls.launches, op_calls.count) == (1, 3)
     assert len(found) == 3 and all(s.kernel == MULTI_GEMM_FAMILY and s.runs_on == "reference" for s in found)
     assert all(any(n.startswith(GROUPED) for n in s.notes) for s in found), [s.notes for s in found]
     assert all(s.prologue == (["rmsnorm"] if norm else []) for s in found)
     assert [s.epilogue for s in found] == ([["bias"]] * 2 + [["bias", "relu"]] if bias else [[], [], ["relu"]])
 
 
-def test_fresh_inputs_run_the_compiled_launch(monkeypatch):
+def test_fresh_inputs_run_the_compiled_launch(op_calls):
     """The compiled graph, not a constant: new rows through the same compile give eager's result."""
     torch.manual_seed(0)
-    calls = MultiOpCalls(monkeypatch)
     model = QKV().eval()
     compiled = torch.compile(model, backend="helion_inductor", options=dict(CPU_REWRITE))
     with torch.no_grad():
@@ -81,23 +65,21 @@ def test_fresh_inputs_run_the_compiled_launch(monkeypatch):
             x = torch.randn(4, D)
             for out, ref in zip(compiled(x), model(x)):
                 assert rel_err(out, ref) <= TOLERANCE[torch.float32]
-    assert calls.count == 3
+    assert (op_calls.launches, op_calls.count) == (3, 9)
 
 
-def test_more_sites_than_slots_take_several_launches(monkeypatch):
+def test_more_sites_than_slots_take_several_launches(op_calls):
     torch.manual_seed(0)
-    calls = MultiOpCalls(monkeypatch)
     found = _check_against_eager(QKV(projections=5).eval(), torch.randn(3, D), torch.float32)
-    assert calls.count == 2  # three sites, then two
+    assert (op_calls.launches, op_calls.count) == (2, 5)  # three sites, then two
     assert sorted(s.kernel for s in found) == [MULTI_GEMM_FAMILY] * 5
 
 
-def test_option_off_keeps_one_launch_per_site(monkeypatch):
+def test_option_off_keeps_one_launch_per_site(op_calls):
     torch.manual_seed(0)
-    calls = MultiOpCalls(monkeypatch)
     found = _check_against_eager(QKV().eval(), torch.randn(3, D), torch.float32,
                                  options={**CPU_REWRITE, "merge_siblings": False})
-    assert calls.count == 0
+    assert (op_calls.launches, op_calls.count) == (3, 3)
     assert len(found) == 3 and all(s.kernel == "gemm" and not any(GROUPED in n for n in s.notes) for s in found)
 
 
@@ -113,19 +95,17 @@ class ReadsASiblingsResult(nn.Module):
         return q, self.k(x) + torch.sin(q)
 
 
-def test_an_operand_computed_from_a_siblings_result_keeps_them_apart(monkeypatch):
+def test_an_operand_computed_from_a_siblings_result_keeps_them_apart(op_calls):
     torch.manual_seed(0)
-    calls = MultiOpCalls(monkeypatch)
     found = _check_against_eager(ReadsASiblingsResult().eval(), torch.randn(3, D), torch.float32)
-    assert calls.count == 0
+    assert (op_calls.launches, op_calls.count) == (2, 2)
     assert len(found) == 2 and all(s.kernel == "gemm" and s.runs_on == "reference" for s in found)
     assert any("not in one launch" in n and "computed after" in n for s in found for n in s.notes), \
         [s.notes for s in found]
 
 
-def test_dynamic_token_count_runs_the_shared_launch_up_to_the_limit(monkeypatch):
+def test_dynamic_token_count_runs_the_shared_launch_up_to_the_limit(op_calls):
     torch.manual_seed(0)
-    calls = MultiOpCalls(monkeypatch)
     model = QKV().eval()
     compiled = torch.compile(model, backend="helion_inductor", options=dict(CPU_REWRITE))
     with torch.no_grad():
@@ -134,7 +114,7 @@ def test_dynamic_token_count_runs_the_shared_launch_up_to_the_limit(monkeypatch)
             torch._dynamo.mark_dynamic(x, 0)
             for out, ref in zip(compiled(x), model(x)):
                 assert rel_err(out, ref) <= TOLERANCE[torch.float32], m
-    assert calls.count == 2  # M = 40 is above max_helion_size: its variant is left to Inductor
+    assert (op_calls.launches, op_calls.count) == (2, 6)  # M = 40 is above max_helion_size: left to Inductor
 
 
 def test_the_op_refuses_epilogues_that_do_not_match_its_weights():
