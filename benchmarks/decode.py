@@ -816,7 +816,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--variants", type=comma_list(VARIANTS), help="comma list of variants")
     parser.add_argument("--helion-rules", nargs="+", metavar="TOML",
                         help="rule files helion_inductor loads besides the shipped ones "
-                             "(e.g. rules/experimental/gated_mlp.toml)")
+                             "(e.g. my_rules.toml)")
     parser.add_argument("--layers", type=int, help="decoder layers (default 4; smoke 1)")
     parser.add_argument("--context", type=int, help="cache positions filled before the step (default 512)")
     parser.add_argument("--max-len", type=int, help="cache length (default 1024)")

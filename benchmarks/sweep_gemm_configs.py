@@ -18,7 +18,7 @@ per-token activations, int8 and int4 weight-only, block fp8), checked against th
 computation and timed against ``torch.compile`` default of the same layer. The int4 family's K block counts
 packed bytes (two columns of K) and block fp8's is fixed at one group, so they have candidates of their own.
 
-The gated MLP family (``gemm_glu``, rules/experimental/gated_mlp.toml) runs ``silu(x @ w_gate) * (x @ w_up)``
+The gated MLP family (``gemm_glu``, rules/gated_mlp.toml) runs ``silu(x @ w_gate) * (x @ w_up)``
 at the suites' gate/up shapes (it skips the others), checked against float64 and timed against
 ``torch.compile`` default of that expression (two cuBLAS GEMMs and Inductor's fused silu * mul). Its
 candidates are the 16-bit ones as the kernel runs them: without split-K, the K block fitted to two weight

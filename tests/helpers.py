@@ -13,9 +13,9 @@ from helion_backend.report import GraphReport, SiteReport
 from helion_backend.rules import BUILTIN_RULES_DIR
 
 CPU_REWRITE = {"rewrite_on_cpu": True}
-# The experimental gated MLP rules (gate and up projections in one kernel), with the CPU rewrite.
-GATED_RULES = str(BUILTIN_RULES_DIR / "experimental" / "gated_mlp.toml")
-WITH_GATED = {**CPU_REWRITE, "rules": [GATED_RULES]}
+# The shipped rules without the gated MLP's (gate and up projections then stay two sites), with the CPU rewrite.
+WITHOUT_GATED = {**CPU_REWRITE, "builtin_rules": False,
+                 "rules": [str(p) for p in sorted(BUILTIN_RULES_DIR.glob("*.toml")) if p.name != "gated_mlp.toml"]}
 
 # Where device-generic tests run, and how: on CUDA with the default options (the Helion kernels run),
 # elsewhere with the CPU rewrite (the reference implementation runs).

@@ -80,9 +80,11 @@ def test_smoke_run_writes_every_row_within_tolerance(tmp_path):
            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
            "HELION_INDUCTOR_CACHE_DIR": str(tmp_path / "backend")}
     out_dir = tmp_path / "out"
-    gated_rules = "rules/experimental/gated_mlp.toml"
+    # A rule file besides the shipped ones: a bare GEMM rule that outranks the shipped one.
+    extra_rules = tmp_path / "extra.toml"
+    extra_rules.write_text('[[rule]]\nname = "extra_gemm"\nanchor = ["mm", "linear"]\nepilogue = []\npriority = 1\n')
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode.py"), "--smoke",
-                             "--out-dir", str(out_dir), "--helion-rules", gated_rules],
+                             "--out-dir", str(out_dir), "--helion-rules", str(extra_rules)],
                             capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "helion_inductor report, bf16" in result.stdout  # the fused-site summary, once per format
@@ -104,10 +106,12 @@ def test_smoke_run_writes_every_row_within_tolerance(tmp_path):
             assert row["rel_err_base"] <= decode.BASE_TOLERANCES[row["format"]], (key, row["rel_err_base"])
         assert decode.row_is_correct(row), key
     assert set(data["metadata"]["helion_reports"]) == set(plan.formats)
-    # --helion-rules: the bf16 model's gate and up projections are one gated site in every layer.
-    assert data["metadata"]["helion_rules"] == [gated_rules]
+    # The bf16 model's gate and up projections are one gated site in every layer; --helion-rules loads the
+    # extra file besides the shipped rules (its rule takes the bare GEMMs).
+    assert data["metadata"]["helion_rules"] == [str(extra_rules)]
     bf16_report = "\n".join(data["metadata"]["helion_reports"]["bf16"])
     assert bf16_report.count("[gated_mlp]") == decode.SMOKE_CONFIG.layers, bf16_report
+    assert "[extra_gemm]" in bf16_report, bf16_report
 
     table = (out_dir / "cpu_decode.md").read_text()
     assert "## Summary" in table and all(f"## {fmt} " in table for fmt in plan.formats)

@@ -1,4 +1,4 @@
-"""A gated MLP's gate and up projections as one site (``rules/experimental/gated_mlp.toml``), on the CPU
+"""A gated MLP's gate and up projections as one site (``rules/gated_mlp.toml``), on the CPU
 through the reference path: what fuses, what does not, and that the output is unchanged."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import WITH_GATED, compile_run, sites
+from helpers import CPU_REWRITE, WITHOUT_GATED, compile_run, sites
 
 from helion_backend.rules import RuleError, load_rule_file
 
@@ -30,7 +30,7 @@ def test_gate_and_up_become_one_site(dtype, lead):
     model = GatedMLP().to(dtype).eval()
     x = torch.randn(*lead, 64, dtype=dtype)
     with torch.no_grad():
-        out, reports = compile_run(model, x, options=WITH_GATED)
+        out, reports = compile_run(model, x, options=CPU_REWRITE)
         expected = model(x)
     found = sites(reports)
     assert [s.rule for s in found] == ["gated_mlp", "gemm_residual"], [r.summary() for r in reports]
@@ -51,18 +51,18 @@ def test_gate_and_up_on_rows_padded_by_inductor_become_one_site():
         return F.silu(gate) * up
 
     x = torch.randn(33, 64)
-    out, reports = compile_run(fn, x, options={**WITH_GATED, "max_helion_size": 64})
+    out, reports = compile_run(fn, x, options={**CPU_REWRITE, "max_helion_size": 64})
     (site,) = sites(reports)
     assert (site.rule, site.m, site.epilogue) == ("gated_mlp", 33, ["silu", "up_mul"]), site
     torch.testing.assert_close(out, fn(x), rtol=1e-5, atol=1e-5)
 
 
-def test_without_the_experimental_rules_gate_and_up_stay_two_sites():
+def test_without_the_gated_rules_gate_and_up_stay_two_sites():
     torch.manual_seed(1)
     model = GatedMLP().eval()
     x = torch.randn(4, 64)
     with torch.no_grad():
-        out, reports = compile_run(model, x)
+        out, reports = compile_run(model, x, options=WITHOUT_GATED)
         expected = model(x)
     assert [s.epilogue for s in sites(reports)] == [["silu", "mul"], [], ["residual"]]
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
@@ -78,7 +78,7 @@ def test_an_up_projection_read_elsewhere_is_not_absorbed():
 
     x = torch.randn(4, 64)
     with torch.no_grad():
-        (out, total), reports = compile_run(fn, x, options=WITH_GATED)
+        (out, total), reports = compile_run(fn, x, options=CPU_REWRITE)
         expected_out, expected_total = fn(x)
     assert "gated_mlp" not in [s.rule for s in sites(reports)]
     torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
@@ -94,7 +94,7 @@ def test_a_product_of_projections_of_different_inputs_is_not_gated():
 
     x, y = torch.randn(4, 64), torch.randn(4, 64)
     with torch.no_grad():
-        out, reports = compile_run(fn, x, y, options=WITH_GATED)
+        out, reports = compile_run(fn, x, y, options=CPU_REWRITE)
     assert "gated_mlp" not in [s.rule for s in sites(reports)]
     torch.testing.assert_close(out, fn(x, y), rtol=1e-5, atol=1e-5)
 

@@ -149,15 +149,12 @@ def test_failing_helion_kernel_falls_back_with_a_warning(fault, monkeypatch, cap
 
 @pytest.mark.parametrize("m", [1, 16, 33])
 def test_gated_mlp_kernel_under_cuda_graphs(m):
-    """The experimental gated-MLP rule: gate and up in one Helion kernel, replayed under CUDA graphs."""
-    from helion_backend.rules import BUILTIN_RULES_DIR
-
+    """The gated-MLP rule: gate and up in one Helion kernel, replayed under CUDA graphs."""
     g = torch.Generator(device="cuda").manual_seed(0)
     w_gate, w_up = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) / K**0.5 for _ in range(2))
     fn = lambda x: F.silu(F.linear(x, w_gate)) * F.linear(x, w_up)  # noqa: E731
-    options = {"rules": [str(BUILTIN_RULES_DIR / "experimental" / "gated_mlp.toml")]}
     helion_backend.clear_reports()
-    compiled = torch.compile(fn, backend="helion_inductor", options=options)
+    compiled = torch.compile(fn, backend="helion_inductor")
     for _ in range(4):
         x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
         out = compiled(x)
@@ -297,22 +294,18 @@ class _NormedGatedMLP(torch.nn.Module):
 @pytest.mark.parametrize("spelling", ["hf", "nn_rmsnorm"])
 @pytest.mark.parametrize("m", [1, 8, 32, 33])
 def test_gated_mlp_with_rmsnorm_prologue_under_cuda_graphs(m, spelling):
-    """The experimental gated-MLP rule: norm, gate and up in one Helion kernel (M <= 32), or left to
-    Inductor (M = 33), against float64, replayed under CUDA graphs on fresh inputs."""
-    from helion_backend.rules import BUILTIN_RULES_DIR
-
+    """The gated-MLP rule: norm (M <= rmsnorm_prologue_max_m), gate and up in one Helion kernel (M <= 32),
+    or left to Inductor (M = 33), against float64, replayed under CUDA graphs on fresh inputs."""
     torch.manual_seed(0)
     model = _NormedGatedMLP(spelling).cuda().to(torch.bfloat16).eval()
     reference = copy.deepcopy(model).double()
-    options = {"rules": [str(BUILTIN_RULES_DIR / "experimental" / "gated_mlp.toml")]}
     helion_backend.clear_reports()
-    compiled = torch.compile(model, backend="helion_inductor", options=options)
+    compiled = torch.compile(model, backend="helion_inductor")
     with torch.no_grad():
         for call in range(4):
             x = torch.randn(1, m, K, device="cuda", dtype=torch.bfloat16) * 2
             assert rel_err(compiled(x), reference(x.double())) <= 1e-2, (m, call)
     gate, down = [s for rep in helion_backend.get_reports() for s in rep.sites]
     assert (gate.rule, gate.kernel, gate.epilogue) == ("gated_mlp", "gemm_glu", ["silu", "up_mul"]), gate
-    # Above the limit Inductor's pad_mm may pad the rows, which then read the normalized value unfused.
-    assert m > 32 or gate.prologue == ["rmsnorm"], gate
+    assert gate.prologue == (["rmsnorm"] if m <= 8 else []), gate
     assert all(s.runs_on == ("helion" if m <= 32 else "inductor") for s in (gate, down)), (gate, down)

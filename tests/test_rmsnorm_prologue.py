@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import WITH_GATED, compile_run, rel_err, sites
+from helpers import CPU_REWRITE, WITHOUT_GATED, compile_run, rel_err, sites
 
 import helion_backend
 from helion_backend.norm import RmsNormSpec, parse_spec, rms_norm
@@ -67,10 +67,11 @@ def test_block_fuses_the_norms_into_qkv_and_gate_up_and_matches_eager(norm, dtyp
     x = torch.randn(2, 4, D, dtype=dtype)
     with torch.no_grad():
         expected = model(x)
-        got, reports = compile_run(model, x)
+        # Without the gated rules, so that gate and up are sites of their own, each with the norm.
+        got, reports = compile_run(model, x, options=WITHOUT_GATED)
         fresh = torch.randn(2, 4, D, dtype=dtype)  # the compiled graph, not a constant, on new inputs
         assert rel_err(torch.compile(model, backend="helion_inductor",
-                                     options={"rewrite_on_cpu": True})(fresh), model(fresh)) <= TOLERANCE[dtype]
+                                     options=WITHOUT_GATED)(fresh), model(fresh)) <= TOLERANCE[dtype]
     assert rel_err(got, expected) <= TOLERANCE[dtype]
     found = sites(reports)
     assert len(found) == 7 and all(s.runs_on == "reference" for s in found)
@@ -165,7 +166,7 @@ def test_dynamic_m_fuses_and_every_size_matches_eager(op_calls):
     Inductor variant with the norm unfused; both compute what eager does."""
     torch.manual_seed(0)
     model = Block().eval()
-    compiled = torch.compile(model, backend="helion_inductor", options={"rewrite_on_cpu": True, "max_helion_size": 8})
+    compiled = torch.compile(model, backend="helion_inductor", options={**WITHOUT_GATED, "max_helion_size": 8})
     with torch.no_grad():
         for tokens in (3, 40, 5):
             x = torch.randn(1, tokens, D)
@@ -217,7 +218,7 @@ def test_a_higher_ranked_rule_without_the_prologue_wins_and_the_norm_stays(tmp_p
     model = nn.Sequential(HFRMSNorm(D), nn.Linear(D, KV, bias=False), nn.SiLU()).eval()
     x = torch.randn(2, 3, D)
     with torch.no_grad():
-        got, reports = compile_run(model, x, options={"rewrite_on_cpu": True, "rules": [str(rules)]})
+        got, reports = compile_run(model, x, options={**WITHOUT_GATED, "rules": [*WITHOUT_GATED["rules"], str(rules)]})
         assert rel_err(got, model(x)) <= 1e-5
     (site,) = sites(reports)
     assert site.rule == "my_silu" and site.prologue == []
@@ -262,7 +263,7 @@ def test_the_norm_fuses_only_up_to_rmsnorm_prologue_max_m(m, limit, fused):
 
 
 # --------------------------------------------------------------------------------------------------
-# With the experimental gated MLP rules: the gate/up pair's kernel runs the norm for both projections.
+# The gated MLP rules: the gate/up pair's kernel runs the norm for both projections.
 
 
 class NormedMLP(nn.Module):
@@ -285,7 +286,7 @@ class NormedMLP(nn.Module):
 def test_gated_pair_fuses_the_norm_and_matches_eager(dtype, norm, lead, op_calls):
     torch.manual_seed(0)
     model = NormedMLP(norm).to(dtype).eval()
-    compiled = torch.compile(model, backend="helion_inductor", options=WITH_GATED)
+    compiled = torch.compile(model, backend="helion_inductor", options=CPU_REWRITE)
     with torch.no_grad():
         for _ in range(2):  # the compiled graph, not a constant, on fresh inputs
             x = torch.randn(*lead, D, dtype=dtype)
@@ -309,7 +310,7 @@ def test_gated_pair_of_differently_normalized_activations_is_not_formed():
 
         x = torch.randn(4, D)
         with torch.no_grad():
-            got, reports = compile_run(fn, x, options=WITH_GATED)
+            got, reports = compile_run(fn, x, options=CPU_REWRITE)
             assert rel_err(got, fn(x)) <= TOLERANCE[torch.float32]
         gate, up = sites(reports)
         assert gate.rule != "gated_mlp" and gate.prologue == ["rmsnorm"], gate
@@ -326,7 +327,7 @@ def test_gated_pair_whose_normalized_value_has_another_reader_reads_it():
 
     x = torch.randn(4, D)
     with torch.no_grad():
-        (got, total), reports = compile_run(fn, x, options=WITH_GATED)
+        (got, total), reports = compile_run(fn, x, options=CPU_REWRITE)
         expected, expected_total = fn(x)
     assert rel_err(got, expected) <= 1e-5 and rel_err(total, expected_total) <= 1e-5
     (gate,) = sites(reports)
@@ -345,7 +346,7 @@ def test_gated_rule_without_a_prologue_reads_the_normalized_activation(tmp_path)
     model = NormedMLP().eval()
     x = torch.randn(2, 3, D)
     with torch.no_grad():
-        got, reports = compile_run(model, x, options={"rewrite_on_cpu": True, "rules": [str(rules)]})
+        got, reports = compile_run(model, x, options={**WITHOUT_GATED, "rules": [*WITHOUT_GATED["rules"], str(rules)]})
         assert rel_err(got, model(x)) <= TOLERANCE[torch.float32]
     gate, _ = sites(reports)
     assert (gate.rule, gate.prologue) == ("my_gated", []), gate
@@ -361,7 +362,7 @@ def test_a_pair_that_does_not_fuse_keeps_the_gate_site_as_matched(tmp_path):
     model = NormedMLP().eval()
     x = torch.randn(2, 3, D)
     with torch.no_grad():
-        got, reports = compile_run(model, x, options={**WITH_GATED, "rules": [*WITH_GATED["rules"], str(rules)]})
+        got, reports = compile_run(model, x, options={**CPU_REWRITE, "rules": [str(rules)]})
         assert rel_err(got, model(x)) <= TOLERANCE[torch.float32]
     gate = next(s for s in sites(reports) if s.rule == "my_silu")
     assert gate.prologue == [] and any("rule my_silu ranks higher" in note for note in gate.notes), gate
