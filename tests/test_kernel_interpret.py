@@ -407,19 +407,22 @@ MULTI_EPILOGUES = [("bias", "relu"), ("scale",), ("residual", "scale", "sigmoid"
 
 @pytest.mark.parametrize("norm", [False, True], ids=["plain", "rmsnorm"])
 @pytest.mark.parametrize("outputs", [2, 3])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_multi_gemm_kernel_runs_each_output_with_its_own_epilogue(dtype, outputs, norm):
     """Every output against float64, each with its own width, layout, operands and scalars (read from the
-    shared lists at its own offsets); with a norm, the rows normalized once for all of them."""
+    shared lists at its own offsets); with a norm, the rows normalized once for all of them. In float16,
+    not bfloat16: the interpreter truncates float32 -> bfloat16 where the GPU rounds, which the norm's
+    rounding step would turn into a percent of error (the GPU tests run bfloat16)."""
     from helion_backend.kernels.multi_gemm import multi_gemm_helion
     from helion_backend.norm import RmsNormSpec, rms_norm
 
+    torch.manual_seed(outputs)
     m, k, widths = 5, 300, [72, 40, 24][:outputs]
     x = torch.randn(m, k, dtype=dtype) * 2
     w_kns = [weight(k, n, layout, dtype) for n, layout in zip(widths, ["nk", "kn", "nk"])]
     steps = MULTI_EPILOGUES[:outputs]
     operands = [operands_for(s, m, n, dtype) for s, n in zip(steps, widths)]
-    scalars = [[0.5 + i + 10 * j for i, step in enumerate(s) if step == "scale"] for j, s in enumerate(steps)]
+    scalars = [[0.5 + i + 0.25 * j for i, step in enumerate(s) if step == "scale"] for j, s in enumerate(steps)]
     spec = (torch.randn(k, dtype=dtype) * 0.1 + 1, RmsNormSpec(1e-6, dtype != torch.float32)) if norm else None
     config = helion.Config(block_sizes=BLOCKS, num_warps=4, num_stages=1)
     outs = multi_gemm_helion(x, w_kns, steps, [op for ops in operands for op in ops], sum(scalars, []), dtype,

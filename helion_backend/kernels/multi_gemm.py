@@ -8,7 +8,7 @@ tiles at once. Nothing is concatenated: each loop reads its own weight where it 
 stays correct when the parameters change.
 
 The kernel has :data:`SLOTS` loops; a group of two passes an empty third weight, whose loop has no
-programs. Each output has its own epilogue (one callable, told which output it finishes). An RMSNorm
+programs. Each output has its own epilogue (a callable per slot, reading its operands at its own offset). An RMSNorm
 shared by the group (the decoder's input norm) runs in every tile, as in ``rmsnorm_gemm_kernel``.
 There is no split-K: the outputs' tiles together supply the parallelism it would.
 """
@@ -29,17 +29,18 @@ from ..norm import RmsNormSpec
 from ..vocabulary import DEFAULT_KERNEL_FAMILY, MULTI_GEMM_FAMILY, MULTI_GEMM_SLOTS
 from .configs import config_for
 from .gemm import (
-    Layout,
     Signature,
     TileEpilogue,
     check_family_steps,
     check_signature,
     compiled_kernel,
+    norm_kernel_args,
     tile_epilogue,
 )
 
 # Outputs one launch computes: the kernel writes out one loop per slot.
 SLOTS = MULTI_GEMM_SLOTS
+
 
 # Each loop is written out, with its own variable names: Helion's loop-dependency check goes by name.
 @helion.kernel(static_shapes=True, autotune_effort="none", dot_precision="ieee")
@@ -143,11 +144,7 @@ def multi_gemm_helion(
     steps = tuple(tuple(s) for s in steps)
     operands, scalars = list(operands), [float(s) for s in scalars]
     per_output = split_per_output(steps, operands, scalars)
-    sigs = tuple(
-        Signature(Layout.of(x), Layout.of(w), tuple(map(Layout.of, ops)), len(scs), s, out_dtype,
-                  None if norm is None else (Layout.of(norm[0]), norm[1].round_before_weight))
-        for w, s, (ops, scs) in zip(w_kns, steps, per_output)
-    )
+    sigs = tuple(Signature.of(x, w, ops, scs, s, out_dtype, norm) for w, s, (ops, scs) in zip(w_kns, steps, per_output))
     for sig in sigs:
         check_signature(sig)
         check_family_steps(sig.steps, DEFAULT_KERNEL_FAMILY)
@@ -158,8 +155,7 @@ def multi_gemm_helion(
     empty = SLOTS - len(w_kns)  # slots without a weight: [K, 0], so their loops have no programs
     weights = [*w_kns, *(x.new_empty((k, 0)) for _ in range(empty))]
     targets = [*outs, *(x.new_empty((m, 0), dtype=out_dtype) for _ in range(empty))]
-    norm_weight, eps, rounding = (None, 0.0, torch.float32) if norm is None else (
-        norm[0], norm[1].eps, norm_module.round_dtype(norm[1], x.dtype))
+    norm_weight, eps, rounding = norm_kernel_args(norm, x)
     args = (x, norm_weight, eps, rounding, weights, targets, operands, scalars, *_epilogues(steps))
     compiled_kernel(multi_gemm_kernel, args, sigs, multi_kernel_config(config), 1)(*args)
     return outs
