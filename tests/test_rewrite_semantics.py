@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from helpers import compile_run, randn, rel_err, sites
+from helpers import CPU_REWRITE, WITHOUT_GATED, compile_run, randn, rel_err, sites
 
 from helion_backend.passes import legality
 from helion_backend.passes.context import GemmSite, Step
@@ -245,7 +245,8 @@ def test_other_paddings_are_not_seen_through(how, op_calls):
     assert rel_err(out, fn(x.double(), w.double(), b.double())) < 1e-5
 
 
-def test_a_site_reading_earlier_sites_results_reads_the_fused_ones(op_calls, tmp_path):
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "two_sites"])
+def test_a_site_reading_earlier_sites_results_reads_the_fused_ones(gated, op_calls, tmp_path):
     """A decoder layer's residual stream: the down projection reads the gate site's product as x and
     the attention output's residual sum as its residual, both replaced by earlier sites. It must read
     their fused results; holding the original nodes kept them alive, so the attention output and gate
@@ -258,9 +259,11 @@ def test_a_site_reading_earlier_sites_results_reads_the_fused_ones(op_calls, tmp
         return x + F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
 
     args = (randn(4, h), randn(4, h), w_o, w_gate, w_up, w_down)
-    out, reports = compile_run(fn, *args, options={"rewrite_on_cpu": True, "debug_dir": str(tmp_path)})
-    assert [s.epilogue for s in sites(reports)] == [["residual"], ["silu", "mul"], [], ["residual"]]
-    assert op_calls.count == 4, op_calls.epilogues
+    options = {**(CPU_REWRITE if gated else WITHOUT_GATED), "debug_dir": str(tmp_path)}
+    out, reports = compile_run(fn, *args, options=options)
+    gate_up = [["silu", "up_mul"]] if gated else [["silu", "mul"], []]
+    assert [s.epilogue for s in sites(reports)] == [["residual"], *gate_up, ["residual"]]
+    assert op_calls.count == 2 + len(gate_up), op_calls.epilogues
     (after,) = tmp_path.glob("*/after.py")
     assert "aten.mm" not in after.read_text()
     assert rel_err(out, fn(*(t.double() for t in args))) < 1e-5
