@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
@@ -14,6 +15,9 @@ from ..ops import OP_NAMESPACE
 from ..patterns import val
 from ..report import site_id
 from .context import GemmSite, PassContext, SiteGroup
+
+if TYPE_CHECKING:
+    from ..norm_patterns import RmsNormMatch
 
 aten = torch.ops.aten
 FUSED_OP = getattr(torch.ops, OP_NAMESPACE).gemm_epilogue.default
@@ -65,8 +69,7 @@ def _replace(graph: fx.Graph, site: GemmSite, config_dir: str, name: str, replac
             site.helion_limit,
             config_dir,
             name,
-            norm.weight if norm is not None else None,
-            norm.spec.to_json() if norm is not None else "",
+            *_norm_args(norm),
         ), lambda node: replaced.get(node, node))
         fused = _call(graph, FUSED_OP, args)
         _take_output(graph, site, fused, replaced)
@@ -92,8 +95,7 @@ def _replace_group(graph: fx.Graph, group: SiteGroup, config_dir: str, name: str
             leader.helion_limit,
             config_dir,
             name,
-            norm.weight if norm is not None else None,
-            norm.spec.to_json() if norm is not None else "",
+            *_norm_args(norm),
         ), lambda node: replaced.get(node, node))
         fused = _call(graph, MULTI_OP, args)
         for i, site in enumerate(sites):
@@ -106,6 +108,11 @@ def _activation(graph: fx.Graph, site: GemmSite, replaced: dict[fx.Node, fx.Node
     if norm is not None and norm.view is not None:
         return _call(graph, aten.view.default, (replaced.get(norm.x, norm.x), norm.view.args[1]))
     return site.x
+
+
+def _norm_args(norm: RmsNormMatch | None) -> tuple[fx.Node | None, str]:
+    """The ops' ``norm_weight`` and ``norm_spec`` for a fused RMSNorm (None and "" without one)."""
+    return (norm.weight, norm.spec.to_json()) if norm is not None else (None, "")
 
 
 def _take_output(graph: fx.Graph, site: GemmSite, result: fx.Node, replaced: dict[fx.Node, fx.Node]) -> None:
