@@ -18,13 +18,12 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .norm import RmsNormSpec
-from .patterns import val
+from .patterns import RESHAPES, val
 from .vocabulary import ANCHOR_OPS, dtype_name
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _ADDS = {aten.add.Tensor, aten.add.Scalar, aten.add_.Scalar, aten.add_.Tensor}
 
 
@@ -39,7 +38,7 @@ class RmsNormMatch:
 
 def find_rmsnorm(gemm_x: fx.Node, k: int, dtype: torch.dtype) -> RmsNormMatch | str | None:
     """The RMSNorm computing ``gemm_x`` (the GEMM's [M, K] input of ``dtype``), a near miss's reason, or None."""
-    view = gemm_x if gemm_x.target in _VIEWS else None
+    view = gemm_x if gemm_x.target in RESHAPES else None
     out = gemm_x.args[0] if view is not None else gemm_x
     scaled = _weight_multiply(out, k, dtype)
     if scaled is None:
@@ -185,7 +184,7 @@ def _other_readers(out: fx.Node, view: fx.Node | None) -> list[str]:
     """Live readers of the normalized value that are not GEMMs reading it as their activation."""
     readers = []
     for user in _live(out.users):
-        if user.target in _VIEWS and all(_reads_as_activation(u, user) for u in _live(user.users)):
+        if user.target in RESHAPES and all(_reads_as_activation(u, user) for u in _live(user.users)):
             continue
         if not _reads_as_activation(user, out):
             readers.append(user.name)

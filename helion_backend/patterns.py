@@ -33,7 +33,8 @@ _REGION_OPS = frozenset({
     aten.sqrt.default, aten.rsqrt.default, prims.convert_element_type.default,
 })
 _CASTS = frozenset({prims.convert_element_type.default})
-_RESHAPES = frozenset({aten.reshape.default, aten.view.default, aten._unsafe_view.default})
+# The ops that reshape without moving data, as they appear post-grad (F.linear's [B*S, K] views among them).
+RESHAPES = frozenset({aten.reshape.default, aten.view.default, aten._unsafe_view.default})
 _MAX_REGION_NODES = 24
 _PROBES = torch.cat([torch.linspace(-8.0, 8.0, 161, dtype=torch.float64),
                      torch.tensor([-30.0, -1e-3, 1e-3, 30.0], dtype=torch.float64)])
@@ -43,6 +44,15 @@ _PROBE_REFERENCE = {name: fn(_PROBES) for name, fn in ACTIVATION_FORMULAS.items(
 def val(node: fx.Node) -> torch.Tensor | None:
     v = node.meta.get("val") if isinstance(node, fx.Node) else None
     return v if isinstance(v, torch.Tensor) else None
+
+
+def activation_identity(node: fx.Node) -> tuple:
+    """What a GEMM multiplies, the same for every view of one tensor to one shape (each F.linear makes its
+    own view of a 3-D activation): the node, or a reshape's input and shape. Hashable also when a size
+    is symbolic (the same symbol prints the same)."""
+    if node.target in RESHAPES and val(node) is not None:
+        return (node.args[0], tuple(map(str, val(node).shape)))
+    return (node,)
 
 
 def same_shape(a: Sequence, b: Sequence) -> bool:
@@ -167,7 +177,7 @@ def _single_node_step(value: fx.Node, n: int) -> Step | None:
     (user,) = value.users
     if user.op != "call_function":
         return None
-    if user.target in _RESHAPES:
+    if user.target in RESHAPES:
         return _reshape_step(user, n)
     if is_float_cast(user) and user.args[0] is value:
         return Step("cast", [user])

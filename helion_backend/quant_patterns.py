@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .patterns import same_shape, val
+from .patterns import RESHAPES, same_shape, val
 from .quant_program import CONVERT, REDUCE, Instruction, QuantProgram, Value, check_program, ref
 from .vocabulary import (
     INT4_HIGH_SHIFT,
@@ -249,7 +249,6 @@ _INVALID = object()
 # --------------------------------------------------------------------------------------------------
 # Packed int4 weights, dequantized in the forward (helion_backend.quantize.Int4WeightOnlyLinear)
 
-_RESHAPES = frozenset({aten.reshape.default, aten.view.default, aten._unsafe_view.default})
 _RIGHT_SHIFTS = frozenset({aten.__rshift__.Scalar, aten.bitwise_right_shift.Tensor_Scalar})
 _BITWISE = frozenset({aten.bitwise_and.Scalar, *_RIGHT_SHIFTS})
 _LAST_OF_3 = (-1, 2)  # the last dimension of a 3-D tensor, as the graph may spell it
@@ -307,7 +306,7 @@ def _unpacks_bytes(weight: fx.Node) -> bool:
 
 def _reshape_source(node: fx.Node, shape: tuple, what: str) -> fx.Node:
     """The input of ``node``, a reshape to ``shape`` (a row-major view, so the element order is kept)."""
-    _expect(node.op == "call_function" and node.target in _RESHAPES and val(node) is not None,
+    _expect(node.op == "call_function" and node.target in RESHAPES and val(node) is not None,
             f"{what} is not a reshape")
     _expect(same_shape(val(node).shape, shape), f"{what} has shape {tuple(val(node).shape)}, not {shape}")
     return node.args[0]

@@ -7,9 +7,10 @@ loops, so :func:`multi_gemm_kernel` writes one loop per output and the grid cove
 tiles at once. Nothing is concatenated: each loop reads its own weight where it is, so the fusion
 stays correct when the parameters change.
 
-The kernel has :data:`SLOTS` loops; a group of two passes an empty third weight, whose loop has no
-programs. Each output has its own epilogue (a callable per slot, reading its operands at its own offset). An RMSNorm
-shared by the group (the decoder's input norm) runs in every tile, as in ``rmsnorm_gemm_kernel``.
+The kernel has one loop per slot (:data:`~helion_backend.vocabulary.MULTI_GEMM_SLOTS`); a group of two
+passes an empty third weight, whose loop has no programs. Each output has its own epilogue (a callable
+per slot, reading its operands at its own offset). An RMSNorm shared by the group (the decoder's input
+norm) runs in every tile, as in ``rmsnorm_gemm_kernel``.
 There is no split-K: the outputs' tiles together supply the parallelism it would.
 """
 
@@ -38,9 +39,6 @@ from .gemm import (
     tile_epilogue,
 )
 
-# Outputs one launch computes: the kernel writes out one loop per slot.
-SLOTS = MULTI_GEMM_SLOTS
-
 
 # Each loop is written out, with its own variable names: Helion's loop-dependency check goes by name.
 @helion.kernel(static_shapes=True, autotune_effort="none", dot_precision="ieee")
@@ -57,7 +55,7 @@ def multi_gemm_kernel(
     epilogue1: TileEpilogue,
     epilogue2: TileEpilogue,
 ) -> None:
-    """``outs[i] = epilogue_i(x' @ weights[i])`` for i < SLOTS in one launch, where x' is x, or with
+    """``outs[i] = epilogue_i(x' @ weights[i])`` for every slot i in one launch, where x' is x, or with
     ``norm_weight`` its RMS-normalized rows (``eps``, rounded through ``rounding``). The epilogues read
     ``operands`` and ``scalars`` from their own offsets (:func:`.gemm.tile_epilogue`)."""
     m, k = x.size()
@@ -139,8 +137,9 @@ def multi_gemm_helion(
     the tables' entry for the ``gemm_multi`` family at N = sum of the N_i. With ``norm`` (an RMSNorm's
     weight and spec) x's rows are normalized first, as in ``gemm_epilogue_helion``.
     """
-    if not 2 <= len(w_kns) <= SLOTS or len(steps) != len(w_kns):
-        raise ValueError(f"expected 2 to {SLOTS} weights with one epilogue each, got {len(w_kns)} and {len(steps)}")
+    if not 2 <= len(w_kns) <= MULTI_GEMM_SLOTS or len(steps) != len(w_kns):
+        raise ValueError(f"expected 2 to {MULTI_GEMM_SLOTS} weights with one epilogue each, got {len(w_kns)} and "
+                         f"{len(steps)}")
     steps = tuple(tuple(s) for s in steps)
     operands, scalars = list(operands), [float(s) for s in scalars]
     per_output = split_per_output(steps, operands, scalars)
@@ -152,7 +151,7 @@ def multi_gemm_helion(
     if config is None:
         config = config_for(m, k, sum(widths), x.dtype, x.device, config_dir, MULTI_GEMM_FAMILY)
     outs = [torch.empty((m, n), dtype=out_dtype, device=x.device) for n in widths]
-    empty = SLOTS - len(w_kns)  # slots without a weight: [K, 0], so their loops have no programs
+    empty = MULTI_GEMM_SLOTS - len(w_kns)  # slots without a weight: [K, 0], so their loops have no programs
     weights = [*w_kns, *(x.new_empty((k, 0)) for _ in range(empty))]
     targets = [*outs, *(x.new_empty((m, 0), dtype=out_dtype) for _ in range(empty))]
     norm_weight, eps, rounding = norm_kernel_args(norm, x)
@@ -164,5 +163,5 @@ def multi_gemm_helion(
 def _epilogues(steps: tuple[tuple[str, ...], ...]) -> list[TileEpilogue]:
     """One device-side epilogue per slot, each reading its operands and scalars after the earlier outputs'
     (an empty slot's has no steps)."""
-    padded = (*steps, *((),) * (SLOTS - len(steps)))
+    padded = (*steps, *((),) * (MULTI_GEMM_SLOTS - len(steps)))
     return [tile_epilogue(s, sum(padded[:i], ())) for i, s in enumerate(padded)]

@@ -12,15 +12,12 @@ sites' results is not formed (the one op could not be placed before every reader
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
-from ..patterns import val
+from ..patterns import activation_identity, val
 from ..vocabulary import DEFAULT_KERNEL_FAMILY, MULTI_GEMM_FAMILY, MULTI_GEMM_SLOTS, RMSNORM
 from .context import GemmSite, PassContext, SiteGroup
 from .placement import place
-
-_VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
 
 
 def run(ctx: PassContext) -> None:
@@ -52,16 +49,9 @@ def _activation_key(site: GemmSite) -> tuple:
     out_dtype = val(site.output).dtype
     norm = site.rms_norm
     if norm is not None:
-        return (RMSNORM, norm.x, norm.weight, norm.spec, None if norm.view is None else _shape(norm.view), out_dtype)
-    x = site.x
-    if x.target in _VIEWS:  # each F.linear makes its own view of a 3-D activation
-        return ("view", x.args[0], _shape(x), out_dtype)
-    return ("node", x, out_dtype)
-
-
-def _shape(node: fx.Node) -> tuple[str, ...]:
-    """A node's shape, hashable also when a dimension is symbolic (the same symbol prints the same)."""
-    return tuple(map(str, val(node).shape))
+        view = None if norm.view is None else activation_identity(norm.view)
+        return (RMSNORM, norm.x, norm.weight, norm.spec, view, out_dtype)
+    return (*activation_identity(site.x), out_dtype)
 
 
 def _group(sites: list[GemmSite], ctx: PassContext, position: dict[fx.Node, int]) -> None:

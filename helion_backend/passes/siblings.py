@@ -17,13 +17,12 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..patterns import val
+from ..patterns import RESHAPES, activation_identity
 from ..vocabulary import ACTIVATIONS, RMSNORM, SUPPORTED_DTYPES
 from .context import GemmSite, PassContext, Step
 from .match import choose_rule, follow_chain
 
 aten = torch.ops.aten
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
 def run(ctx: PassContext) -> None:
@@ -68,7 +67,7 @@ def _up_projection(site: GemmSite, steps: list[tuple[int, Step]], plain: dict[fx
     if up is None or up is site or len(mul.operand.users) != 1:
         return None
     same_shape = (up.k, up.n, up.dtype, up.device) == (site.k, site.n, site.dtype, site.device)
-    if not same_shape or not _same_activation(_gemm_input(up), _gemm_input(site)):
+    if not same_shape or not activation_identity(_gemm_input(up)) == activation_identity(_gemm_input(site)):
         return None
     return up
 
@@ -98,14 +97,6 @@ def _result(site: GemmSite) -> fx.Node:
     rows), or its 3-D view for a 3-D linear."""
     node = site.leading_steps[-1].out if site.leading_steps else site.anchor
     users = list(node.users)
-    return users[0] if len(users) == 1 and users[0].target in _VIEWS else node
+    return users[0] if len(users) == 1 and users[0].target in RESHAPES else node
 
 
-def _same_activation(a: fx.Node, b: fx.Node) -> bool:
-    """The same node, or two views of one tensor with the same shape (each F.linear makes its own)."""
-    if a is b:
-        return True
-    if a.target not in _VIEWS or b.target not in _VIEWS or a.args[0] is not b.args[0]:
-        return False
-    va, vb = val(a), val(b)
-    return va is not None and vb is not None and tuple(va.shape) == tuple(vb.shape)
