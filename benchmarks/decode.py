@@ -58,8 +58,9 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -312,9 +313,9 @@ def lm_head_kind(model: Decoder) -> str:
 
 
 def compile_variant(variant: str, model: nn.Module, device: torch.device,
-                    helion_rules: Sequence[str] = ()) -> Callable[..., torch.Tensor]:
+                    helion_options: Mapping[str, Any] | None = None) -> Callable[..., torch.Tensor]:
     """``model`` as the variant runs it; every compiled variant has static shapes and CUDA graphs on a GPU.
-    ``helion_rules`` are rule files the helion_inductor variant loads besides the shipped ones."""
+    ``helion_options`` are backend options of the helion_inductor variant (extra ``rules``, limits)."""
     if variant == "eager":
         return model
     if variant == "reduce_overhead":
@@ -326,7 +327,7 @@ def compile_variant(variant: str, model: nn.Module, device: torch.device,
         # The backend turns CUDA graphs on by default for graphs on CUDA; a CPU graph is rewritten only
         # when asked (its fused sites then run the reference implementation).
         options = {} if device.type == "cuda" else {"rewrite_on_cpu": True}
-        return torch.compile(model, backend=HELION, options={**options, "rules": list(helion_rules)}, dynamic=False)
+        return torch.compile(model, backend=HELION, options={**options, **(helion_options or {})}, dynamic=False)
     raise ValueError(f"unknown variant {variant!r}")
 
 
@@ -523,7 +524,7 @@ def _measure_into(result: RowResult, variant: str, model: Decoder, inputs: Decod
     counters.clear()
     if variant == HELION:
         import_helion_backend().clear_reports()
-    step = model_step(compile_variant(variant, model, device, plan.helion_rules), variant)
+    step = model_step(compile_variant(variant, model, device, plan.helion_options), variant)
 
     start = time.perf_counter()
     first = step(inputs.tokens_a, inputs.pos_a).clone()
@@ -702,7 +703,7 @@ def markdown(metadata: dict, rows: Sequence[dict]) -> str:
         f"- GPU µs: {metadata['gpu_method']}",
         f"- rel err: {metadata['error_method']}",
         f"- compile s: {metadata['compile_method']}",
-        f"- helion_inductor rules besides the shipped ones: `{metadata.get('helion_rules') or 'none'}`",
+        f"- helion_inductor options besides the defaults: `{metadata.get('helion_options') or 'none'}`",
         f"- rows run: {len(rows)}; skipped by the time budget: {len(metadata['skipped'])}"
         + ("" if metadata["complete"] else " (run incomplete)"),
         "",
@@ -772,7 +773,8 @@ class Plan:
     steps: int  # timed steps per variant (wall time, and GPU time)
     warmup: int  # untimed steps after the first call
     seed: int = 0
-    helion_rules: tuple[str, ...] = ()  # extra rule files for the helion_inductor variant
+    # Backend options of the helion_inductor variant besides the defaults (extra rule files, limits).
+    helion_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 PRESETS = {
@@ -817,6 +819,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--helion-rules", nargs="+", metavar="TOML",
                         help="rule files helion_inductor loads besides the shipped ones "
                              "(e.g. my_rules.toml)")
+    parser.add_argument("--helion-options", type=json.loads, metavar="JSON",
+                        help="more helion_inductor options, e.g. '{\"rmsnorm_prologue_max_m\": 32}'")
     parser.add_argument("--layers", type=int, help="decoder layers (default 4; smoke 1)")
     parser.add_argument("--context", type=int, help="cache positions filled before the step (default 512)")
     parser.add_argument("--max-len", type=int, help="cache length (default 1024)")
@@ -830,13 +834,21 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def helion_options(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The helion_inductor options the command line sets (None: the plan's)."""
+    options = dict(args.helion_options or {})
+    if args.helion_rules:
+        options["rules"] = list(args.helion_rules)
+    return options or None
+
+
 def resolve_plan(args: argparse.Namespace) -> Plan:
     plan = PRESETS[args.preset]
     shape = {"layers": args.layers, "context": args.context, "max_len": args.max_len}
     config = dataclasses.replace(plan.config, **{k: v for k, v in shape.items() if v is not None})
     overrides = {"formats": args.formats, "batches": args.batch, "variants": args.variants,
                  "steps": args.steps, "warmup": args.warmup, "seed": args.seed,
-                 "helion_rules": tuple(args.helion_rules) if args.helion_rules else None}
+                 "helion_options": helion_options(args)}
     return dataclasses.replace(plan, config=config, **{k: v for k, v in overrides.items() if v is not None})
 
 
@@ -851,7 +863,7 @@ def run_metadata_for(plan: Plan, device: torch.device) -> dict[str, object]:
         "steps": plan.steps,
         "warmup": plan.warmup,
         "seed": plan.seed,
-        "helion_rules": list(plan.helion_rules),
+        "helion_options": dict(plan.helion_options),
         "tolerances": {fmt: TOLERANCES[fmt] for fmt in plan.formats},
         "base_tolerances": {fmt: BASE_TOLERANCES[fmt] for fmt in plan.formats if fmt in BASE_TOLERANCES},
         "wall_method": WALL_METHOD,

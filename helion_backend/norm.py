@@ -10,7 +10,20 @@ The norm the ``rmsnorm`` prologue step fuses is::
 
 Hugging Face's ``LlamaRMSNorm``/``Qwen3RMSNorm`` round to the input dtype before multiplying by the
 weight (``round_before_weight``); ``F.rms_norm``/``nn.RMSNorm`` multiply in float32 and round once. In
-float32 both are the same. The fused op carries an :class:`RmsNormSpec` as a string (its ``norm_spec``
+float32 both are the same.
+
+The kernels compute the same norm differently. ``rstd`` is one number per row, so it commutes with
+the GEMM: ``norm(x) @ W == rstd * ((x * weight) @ W)``. Each K step multiplies the x tile by the norm's
+weight (:func:`weighted_rows`) and feeds that to the dot; the accumulator is scaled by each row's rstd
+once, at the end (:func:`scale_rows`). The rows' sums of squares come from a first pass over x in every
+output tile, or, for at most :data:`ONE_PASS_MAX_M` rows, from the GEMM's own K loop (elementwise
+:func:`squares`, reduced after it): at M = 1 a first pass over all of K delays each tile's first weight
+load by a few microseconds, while for more rows a second use of the x tile inside the K loop slows the
+weight stream more than the first pass costs (H200: gated MLP, M = 8, 51 us without the norm, 69 us
+with it in one pass). The rounding differs from the unfused graph's (x * weight is rounded once,
+instead of x * rstd and then the product), within the dtype's precision; in float16 x * weight can
+overflow where the normalized rows do not, so float16 rows keep the norm unfused (:data:`FUSED_DTYPES`).
+The fused op carries an :class:`RmsNormSpec` as a string (its ``norm_spec``
 argument); the weight [K] is a tensor argument of its own.
 """
 
@@ -61,6 +74,32 @@ def normalize(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, roundin
     so Helion device code calls it as is (a flag would be a symbolic value there)."""
     y = (x.to(torch.float32) * rstd).to(rounding).to(torch.float32)
     return (y * weight.to(torch.float32)).to(x.dtype)
+
+
+# Row dtypes whose one-pass norm cannot overflow: x * weight stays within float32's range.
+FUSED_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def weighted_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The GEMM operand of the one-pass norm: x times the norm's weight (its [K] slice), in x's dtype."""
+    return (x.to(torch.float32) * weight.to(torch.float32)).to(x.dtype)
+
+
+# The most rows whose sums of squares the kernels take from the GEMM's K loop (see the module docstring).
+ONE_PASS_MAX_M = 1
+
+
+def squares(x: torch.Tensor) -> torch.Tensor:
+    """The float32 squares of an x tile, added up elementwise over the K loop and reduced after it: a
+    reduction in every K step would stall the weight stream."""
+    rows = x.to(torch.float32)
+    return rows * rows
+
+
+def scale_rows(acc: torch.Tensor, sum_of_squares: torch.Tensor, k: int, eps: float) -> torch.Tensor:
+    """The accumulator of ``weighted_rows @ W`` times each row's ``rstd`` (from the [M, 1] sums of squares
+    over all of K): the normalized rows' product."""
+    return acc * rstd_from_sum_of_squares(sum_of_squares, k, eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, spec: RmsNormSpec) -> torch.Tensor:

@@ -108,7 +108,7 @@ def test_smoke_run_writes_every_row_within_tolerance(tmp_path):
     assert set(data["metadata"]["helion_reports"]) == set(plan.formats)
     # The bf16 model's gate and up projections are one gated site in every layer; --helion-rules loads the
     # extra file besides the shipped rules (its rule takes the bare GEMMs).
-    assert data["metadata"]["helion_rules"] == [str(extra_rules)]
+    assert data["metadata"]["helion_options"] == {"rules": [str(extra_rules)]}
     bf16_report = "\n".join(data["metadata"]["helion_reports"]["bf16"])
     assert bf16_report.count("[gated_mlp]") == decode.SMOKE_CONFIG.layers, bf16_report
     assert "[extra_gemm]" in bf16_report, bf16_report

@@ -161,9 +161,10 @@ def test_cuda_graph_replay(split_k):
 @pytest.mark.parametrize("round_before_weight", [True, False])
 @pytest.mark.parametrize("m", [1, 8, 32, 33])
 def test_gated_kernel_with_rmsnorm(m, round_before_weight):
-    """Gate and up on RMS-normalized bfloat16 rows (the interpreter tests run float16), default config,
-    against float64 on the activation normalized as the graph does it. Stored in fp32 so that the norm's
-    roundings show: in a CPU emulation a correct kernel was 3e-4 off at most, the other rounding 1.6e-3."""
+    """Gate and up on RMS-normalized bfloat16 rows, default config, stored in fp32 so that the norm's
+    roundings show. The kernel's one-pass norm rounds x * weight where the graph rounds the normalized rows
+    (and, for Hugging Face's spelling, their product with the weight again): against the exact norm in
+    float64 it is at least as close as the unfused graph's activation is (within sampling noise)."""
     x = torch.randn(m, K, dtype=torch.bfloat16, device="cuda") * 2
     w_gate, w_up = (torch.randn(N, K, dtype=torch.bfloat16, device="cuda").t() / K**0.5 for _ in range(2))
     norm_weight = (torch.randn(K, device="cuda") * 0.1 + 1).to(torch.bfloat16)
@@ -171,7 +172,12 @@ def test_gated_kernel_with_rmsnorm(m, round_before_weight):
     steps = ("silu", "up_mul", "cast")
     poison_allocator(m, N)
     out = glu_gemm_helion(x, w_gate, w_up, steps, [], [], torch.float32, norm=norm)
-    normed = rms_norm(x, *norm).double()
-    ref = apply_epilogue(normed @ w_gate.double(), steps, [].__getitem__, [], normed @ w_up.double())
+
+    def gated(rows: torch.Tensor) -> torch.Tensor:
+        return apply_epilogue(rows @ w_gate.double(), steps, [].__getitem__, [], rows @ w_up.double())
+
+    exact_rows = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight.double()
+    exact = gated(exact_rows)
+    unfused_error = rel_err(gated(rms_norm(x, *norm).double()), exact)
     assert not out.isnan().any()
-    assert rel_err(out, ref) <= 1e-3
+    assert rel_err(out, exact) <= max(1.25 * unfused_error, 1e-4), unfused_error

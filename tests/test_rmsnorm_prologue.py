@@ -262,6 +262,24 @@ def test_the_norm_fuses_only_up_to_rmsnorm_prologue_max_m(m, limit, fused):
     assert any(f"M={m} > rmsnorm_prologue_max_m={limit}" in n for n in site.notes) != fused, site.notes
 
 
+def test_float16_rows_keep_the_norm_unfused_and_say_why():
+    """The kernels multiply x by the norm's weight before they scale the rows, which can overflow float16
+    where the normalized rows do not (rows of 1e4, weight 4): the norm stays a kernel of its own, and the
+    model still matches eager."""
+    torch.manual_seed(0)
+    model = nn.Sequential(HFRMSNorm(D), nn.Linear(D, FF, bias=False)).to(torch.float16).eval()
+    with torch.no_grad():
+        model[0].weight.fill_(4.0)
+    x = torch.randn(4, D, dtype=torch.float16) * 1e4
+    with torch.no_grad():
+        got, reports = compile_run(model, x, options=CPU_REWRITE)
+        expected = model(x)
+    (site,) = sites(reports)
+    assert site.runs_on == "reference" and site.prologue == [], site
+    assert any("float16 rows times the norm's weight could overflow" in n for n in site.notes), site.notes
+    assert torch.isfinite(expected).all() and rel_err(got, expected) <= 2e-3
+
+
 # --------------------------------------------------------------------------------------------------
 # The gated MLP rules: the gate/up pair's kernel runs the norm for both projections.
 

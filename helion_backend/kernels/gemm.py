@@ -80,28 +80,37 @@ def rmsnorm_gemm_kernel(
     out: torch.Tensor,
     operands: list[torch.Tensor],
     scalars: list[float],
-    rounding: torch.dtype,
     epilogue: TileEpilogue,
 ) -> None:
-    """:func:`gemm_kernel` on RMS-normalized rows of x: each tile first sums its rows' squares over all
-    of K (x is small at decode sizes; recomputing per N tile costs one more read of x from L2), then
-    normalizes every x tile as it loads it. One K block size serves both loops, registered first, so
-    its config is ``gemm_kernel``'s with the block sizes rotated (:func:`norm_kernel_config`)."""
+    """:func:`gemm_kernel` on RMS-normalized rows of x (see :mod:`helion_backend.norm`): the dot reads x
+    times the norm's weight and the accumulator is scaled by each row's rstd at the end. The rows' sums
+    of squares come from a first pass over x, or, for a few rows, from the K loop; then a K split adds
+    the squares of the rest of K in two more loops (empty without split-K). One K block size serves every
+    loop, registered first, so its config is ``gemm_kernel``'s with the block sizes rotated
+    (:func:`norm_kernel_config`)."""
     m, k = x.size()
     n = w.size(1)
     block_k = hl.register_block_size(k)
     split_k = hl.register_tunable("split_k", PowerOfTwoFragment(1, 64, 1))
     k_per_split = helion.cdiv(helion.cdiv(k, split_k), 256) * 256
     for tile_m, tile_n, tile_split in hl.tile([m, n, k], block_size=[None, None, k_per_split]):
-        sum_of_squares = hl.zeros([tile_m], dtype=torch.float32)
-        for tile_k in hl.tile(k, block_size=block_k):
-            rows = x[tile_m, tile_k].to(torch.float32)
-            sum_of_squares = sum_of_squares + (rows * rows).sum(-1)
-        rstd = norm_module.rstd_from_sum_of_squares(sum_of_squares, k, eps)[:, None]
         acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
+        sum_of_squares = hl.zeros([tile_m, 1], dtype=torch.float32)
+        squares = hl.zeros([tile_m, block_k], dtype=torch.float32)
+        if m > norm_module.ONE_PASS_MAX_M:
+            for tile_k in hl.tile(k, block_size=block_k):
+                sum_of_squares = sum_of_squares + norm_module.squares(x[tile_m, tile_k]).sum(-1, keepdim=True)
         for tile_k in hl.tile(tile_split.begin, tile_split.end, block_size=block_k):
-            x_tile = norm_module.normalize(x[tile_m, tile_k], rstd, norm_weight[tile_k], rounding)
-            acc = torch.addmm(acc, x_tile, w[tile_k, tile_n])
+            x_tile = x[tile_m, tile_k]
+            if m <= norm_module.ONE_PASS_MAX_M:
+                squares = squares + norm_module.squares(x_tile)
+            acc = torch.addmm(acc, norm_module.weighted_rows(x_tile, norm_weight[tile_k]), w[tile_k, tile_n])
+        if m <= norm_module.ONE_PASS_MAX_M:
+            for tile_k in hl.tile(0, tile_split.begin, block_size=block_k):
+                squares = squares + norm_module.squares(x[tile_m, tile_k])
+            for tile_k in hl.tile(tile_split.end, k, block_size=block_k):
+                squares = squares + norm_module.squares(x[tile_m, tile_k])
+        acc = norm_module.scale_rows(acc, sum_of_squares + squares.sum(-1, keepdim=True), k, eps)
         if split_k == 1:
             acc = epilogue(acc, operands, scalars, tile_m, tile_n)
         out[tile_split.id, tile_m, tile_n] = acc.to(out.dtype)
@@ -117,34 +126,38 @@ def glu_gemm_kernel(
     out: torch.Tensor,
     operands: list[torch.Tensor],
     scalars: list[float],
-    rounding: torch.dtype,
     epilogue: TileEpilogue,
 ) -> None:
     """``out = epilogue(x @ w, up=x @ w_up)``: a gated MLP's gate and up projections in one pass over x,
     both accumulators in registers, only the epilogue's result stored (no split-K: two workspaces would
-    cost what the fusion saves). With ``norm_weight`` x's rows are RMS-normalized first, as in
-    :func:`rmsnorm_gemm_kernel`; Helion specializes a None argument, so without it the norm's branches
-    vanish at compile time. The block sizes are registered in ``gemm_kernel``'s order, [M, N, K], with
-    or without the norm (whose loop shares the K block): one config layout serves both."""
+    cost what the fusion saves). With ``norm_weight`` x's rows are RMS-normalized as in
+    :func:`rmsnorm_gemm_kernel`; Helion specializes a None argument, so without it the norm's ops vanish
+    at compile time. The block sizes are registered in ``gemm_kernel``'s order, [M, N, K]."""
     m, k = x.size()
     n = w.size(1)
     block_m, block_n, block_k = hl.register_block_size(m), hl.register_block_size(n), hl.register_block_size(k)
     for tile_m, tile_n in hl.tile([m, n], block_size=[block_m, block_n]):
-        if norm_weight is not None:
-            # rmsnorm_gemm_kernel's loop, written out: Helion traces a called function's ops, not its loops.
-            sum_of_squares = hl.zeros([tile_m], dtype=torch.float32)
-            for tile_k in hl.tile(k, block_size=block_k):
-                rows = x[tile_m, tile_k].to(torch.float32)
-                sum_of_squares = sum_of_squares + (rows * rows).sum(-1)
-            rstd = norm_module.rstd_from_sum_of_squares(sum_of_squares, k, eps)[:, None]
         acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
         acc_up = hl.zeros([tile_m, tile_n], dtype=torch.float32)
+        # The norm's statistics, as in rmsnorm_gemm_kernel (written out: Helion traces a called function's
+        # ops, not its loops).
+        sum_of_squares = hl.zeros([tile_m, 1], dtype=torch.float32)
+        squares = hl.zeros([tile_m, block_k], dtype=torch.float32)
+        if norm_weight is not None and m > norm_module.ONE_PASS_MAX_M:
+            for tile_k in hl.tile(k, block_size=block_k):
+                sum_of_squares = sum_of_squares + norm_module.squares(x[tile_m, tile_k]).sum(-1, keepdim=True)
         for tile_k in hl.tile(k, block_size=block_k):
             x_tile = x[tile_m, tile_k]
             if norm_weight is not None:
-                x_tile = norm_module.normalize(x_tile, rstd, norm_weight[tile_k], rounding)
+                if m <= norm_module.ONE_PASS_MAX_M:
+                    squares = squares + norm_module.squares(x_tile)
+                x_tile = norm_module.weighted_rows(x_tile, norm_weight[tile_k])
             acc = torch.addmm(acc, x_tile, w[tile_k, tile_n])
             acc_up = torch.addmm(acc_up, x_tile, w_up[tile_k, tile_n])
+        if norm_weight is not None:
+            sum_of_squares = sum_of_squares + squares.sum(-1, keepdim=True)
+            acc = norm_module.scale_rows(acc, sum_of_squares, k, eps)
+            acc_up = norm_module.scale_rows(acc_up, sum_of_squares, k, eps)
         out[tile_m, tile_n] = epilogue(acc, operands, scalars, tile_m, tile_n, acc_up).to(out.dtype)
 
 
@@ -248,15 +261,15 @@ class Signature(NamedTuple):
     num_scalars: int
     steps: tuple[str, ...]
     out_dtype: torch.dtype
-    # A fused RMSNorm: its weight and whether it rounds to x's dtype before the weight multiply.
-    norm: tuple[Layout, bool] | None = None
+    # A fused RMSNorm's weight (the kernels' one-pass norm does not depend on the spec's rounding).
+    norm: Layout | None = None
 
     @classmethod
     def of(cls, x: torch.Tensor, w_kn: torch.Tensor, operands: list[torch.Tensor], scalars: list[float],
            steps: tuple[str, ...], out_dtype: torch.dtype,
            norm: tuple[torch.Tensor, RmsNormSpec] | None) -> Signature:
         return cls(Layout.of(x), Layout.of(w_kn), tuple(map(Layout.of, operands)), len(scalars), steps, out_dtype,
-                   None if norm is None else (Layout.of(norm[0]), norm[1].round_before_weight))
+                   None if norm is None else Layout.of(norm[0]))
 
 
 @functools.cache
@@ -269,12 +282,16 @@ def check_signature(sig: Signature) -> None:
             f"x and w_kn must share one of {SUPPORTED_INPUT_DTYPES}, got {sig.x.dtype}, {sig.w.dtype}"
         )
     if sig.norm is not None:
-        check_norm_weight(sig.norm[0], sig.x)
+        check_norm_weight(sig.norm, sig.x)
     check_operands(sig)
 
 
 def check_norm_weight(weight: Layout, x: Layout) -> None:
-    """An RMSNorm weight is a float [K] vector on x's device (any stride: the kernel indexes it)."""
+    """An RMSNorm weight is a float [K] vector on x's device (any stride: the kernel indexes it), and x's
+    dtype one the one-pass norm cannot overflow in."""
+    if x.dtype not in norm_module.FUSED_DTYPES:
+        raise ValueError(f"the RMSNorm prologue runs on {norm_module.FUSED_DTYPES} rows, got {x.dtype} (x times "
+                         "the norm's weight could overflow before the rows are scaled)")
     k = x.shape[1]
     if weight.shape != (k,) or not weight.dtype.is_floating_point or weight.device != x.device:
         raise ValueError(f"the RMSNorm weight must be a float [{k}] vector on {x.device}, got "
@@ -373,9 +390,9 @@ def gemm_epilogue_helion(
     if norm is None:
         compiled_kernel(gemm_kernel, gemm_args, sig, config, splits)(*gemm_args)
     else:
-        weight, eps, rounding = norm_kernel_args(norm, x)
+        weight, eps = norm_kernel_args(norm)
         x, w_kn, workspace = gemm_args[:3]
-        norm_args = (x, weight, eps, w_kn, workspace, operands, scalars, rounding, epilogue)
+        norm_args = (x, weight, eps, w_kn, workspace, operands, scalars, epilogue)
         compiled_kernel(rmsnorm_gemm_kernel, norm_args, sig, norm_kernel_config(config), splits)(*norm_args)
     return finish_split_k(gemm_args[2], out, split_k, sig, operands, scalars, epilogue)
 
@@ -393,15 +410,14 @@ def gemm_kernel_args(
     return (x, w_kn, split_k_target(out, x.shape[1], split_k), operands, scalars, epilogue)
 
 
-def norm_kernel_args(
-    norm: tuple[torch.Tensor, RmsNormSpec] | None, x: torch.Tensor
-) -> tuple[torch.Tensor | None, float, torch.dtype]:
-    """``(norm_weight, eps, rounding)`` as the kernels with an RMSNorm prologue take them; without a norm,
-    a None weight (which Helion specializes away) and unused placeholders."""
+def norm_kernel_args(norm: tuple[torch.Tensor, RmsNormSpec] | None) -> tuple[torch.Tensor | None, float]:
+    """``(norm_weight, eps)`` as the kernels with an RMSNorm prologue take them; without a norm, a None
+    weight (which Helion specializes away) and an unused eps. The spec's rounding is the unfused graph's:
+    the kernels' one-pass norm rounds x * weight instead (:mod:`helion_backend.norm`)."""
     if norm is None:
-        return None, 0.0, torch.float32
+        return None, 0.0
     weight, spec = norm
-    return weight, spec.eps, norm_module.round_dtype(spec, x.dtype)
+    return weight, spec.eps
 
 
 def glu_gemm_helion(
@@ -432,8 +448,8 @@ def glu_gemm_helion(
         config = config_for(m, k, n, x.dtype, x.device, config_dir, "gemm_glu")
     config = glu_kernel_config(config, x.dtype.itemsize, norm is not None)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    weight, eps, rounding = norm_kernel_args(norm, x)
-    args = (x, weight, eps, w_kn, up_kn, out, operands, scalars, rounding, tile_epilogue(steps))
+    weight, eps = norm_kernel_args(norm)
+    args = (x, weight, eps, w_kn, up_kn, out, operands, scalars, tile_epilogue(steps))
     compiled_kernel(glu_gemm_kernel, args, (sig, Layout.of(up_kn)), config, 1)(*args)
     return out
 

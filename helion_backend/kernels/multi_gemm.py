@@ -46,7 +46,6 @@ def multi_gemm_kernel(
     x: torch.Tensor,
     norm_weight: torch.Tensor | None,
     eps: float,
-    rounding: torch.dtype,
     weights: list[torch.Tensor],
     outs: list[torch.Tensor],
     operands: list[torch.Tensor],
@@ -56,56 +55,62 @@ def multi_gemm_kernel(
     epilogue2: TileEpilogue,
 ) -> None:
     """``outs[i] = epilogue_i(x' @ weights[i])`` for every slot i in one launch, where x' is x, or with
-    ``norm_weight`` its RMS-normalized rows (``eps``, rounded through ``rounding``). The epilogues read
-    ``operands`` and ``scalars`` from their own offsets (:func:`.gemm.tile_epilogue`)."""
+    ``norm_weight`` its RMS-normalized rows (``eps``; computed as :mod:`helion_backend.norm` says).
+    The epilogues read ``operands`` and ``scalars`` from their own offsets (:func:`.gemm.tile_epilogue`)."""
     m, k = x.size()
     block_m = hl.register_block_size(m)
     block_n = hl.register_block_size(weights[0].size(1))
     block_k = hl.register_block_size(k)
     for tile_m, tile_n in hl.tile([m, weights[0].size(1)], block_size=[block_m, block_n]):
         acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
-        if norm_weight is None:
+        sums = hl.zeros([tile_m, 1], dtype=torch.float32)
+        squares = hl.zeros([tile_m, block_k], dtype=torch.float32)
+        if norm_weight is not None and m > norm_module.ONE_PASS_MAX_M:
             for tile_k in hl.tile(k, block_size=block_k):
-                acc = torch.addmm(acc, x[tile_m, tile_k], weights[0][tile_k, tile_n])
-        else:
-            squares = hl.zeros([tile_m], dtype=torch.float32)
-            for tile_k in hl.tile(k, block_size=block_k):
-                rows = x[tile_m, tile_k].to(torch.float32)
-                squares = squares + (rows * rows).sum(-1)
-            rstd = norm_module.rstd_from_sum_of_squares(squares, k, eps)[:, None]
-            for tile_k in hl.tile(k, block_size=block_k):
-                x_tile = norm_module.normalize(x[tile_m, tile_k], rstd, norm_weight[tile_k], rounding)
-                acc = torch.addmm(acc, x_tile, weights[0][tile_k, tile_n])
+                sums = sums + norm_module.squares(x[tile_m, tile_k]).sum(-1, keepdim=True)
+        for tile_k in hl.tile(k, block_size=block_k):
+            x_tile = x[tile_m, tile_k]
+            if norm_weight is not None:
+                if m <= norm_module.ONE_PASS_MAX_M:
+                    squares = squares + norm_module.squares(x_tile)
+                x_tile = norm_module.weighted_rows(x_tile, norm_weight[tile_k])
+            acc = torch.addmm(acc, x_tile, weights[0][tile_k, tile_n])
+        if norm_weight is not None:
+            acc = norm_module.scale_rows(acc, sums + squares.sum(-1, keepdim=True), k, eps)
         outs[0][tile_m, tile_n] = epilogue0(acc, operands, scalars, tile_m, tile_n).to(outs[0].dtype)
     for tile_m1, tile_n1 in hl.tile([m, weights[1].size(1)], block_size=[block_m, block_n]):
         acc1 = hl.zeros([tile_m1, tile_n1], dtype=torch.float32)
-        if norm_weight is None:
+        sums1 = hl.zeros([tile_m1, 1], dtype=torch.float32)
+        squares1 = hl.zeros([tile_m1, block_k], dtype=torch.float32)
+        if norm_weight is not None and m > norm_module.ONE_PASS_MAX_M:
             for tile_k1 in hl.tile(k, block_size=block_k):
-                acc1 = torch.addmm(acc1, x[tile_m1, tile_k1], weights[1][tile_k1, tile_n1])
-        else:
-            squares1 = hl.zeros([tile_m1], dtype=torch.float32)
-            for tile_k1 in hl.tile(k, block_size=block_k):
-                rows1 = x[tile_m1, tile_k1].to(torch.float32)
-                squares1 = squares1 + (rows1 * rows1).sum(-1)
-            rstd1 = norm_module.rstd_from_sum_of_squares(squares1, k, eps)[:, None]
-            for tile_k1 in hl.tile(k, block_size=block_k):
-                x_tile1 = norm_module.normalize(x[tile_m1, tile_k1], rstd1, norm_weight[tile_k1], rounding)
-                acc1 = torch.addmm(acc1, x_tile1, weights[1][tile_k1, tile_n1])
+                sums1 = sums1 + norm_module.squares(x[tile_m1, tile_k1]).sum(-1, keepdim=True)
+        for tile_k1 in hl.tile(k, block_size=block_k):
+            x_tile1 = x[tile_m1, tile_k1]
+            if norm_weight is not None:
+                if m <= norm_module.ONE_PASS_MAX_M:
+                    squares1 = squares1 + norm_module.squares(x_tile1)
+                x_tile1 = norm_module.weighted_rows(x_tile1, norm_weight[tile_k1])
+            acc1 = torch.addmm(acc1, x_tile1, weights[1][tile_k1, tile_n1])
+        if norm_weight is not None:
+            acc1 = norm_module.scale_rows(acc1, sums1 + squares1.sum(-1, keepdim=True), k, eps)
         outs[1][tile_m1, tile_n1] = epilogue1(acc1, operands, scalars, tile_m1, tile_n1).to(outs[1].dtype)
     for tile_m2, tile_n2 in hl.tile([m, weights[2].size(1)], block_size=[block_m, block_n]):
         acc2 = hl.zeros([tile_m2, tile_n2], dtype=torch.float32)
-        if norm_weight is None:
+        sums2 = hl.zeros([tile_m2, 1], dtype=torch.float32)
+        squares2 = hl.zeros([tile_m2, block_k], dtype=torch.float32)
+        if norm_weight is not None and m > norm_module.ONE_PASS_MAX_M:
             for tile_k2 in hl.tile(k, block_size=block_k):
-                acc2 = torch.addmm(acc2, x[tile_m2, tile_k2], weights[2][tile_k2, tile_n2])
-        else:
-            squares2 = hl.zeros([tile_m2], dtype=torch.float32)
-            for tile_k2 in hl.tile(k, block_size=block_k):
-                rows2 = x[tile_m2, tile_k2].to(torch.float32)
-                squares2 = squares2 + (rows2 * rows2).sum(-1)
-            rstd2 = norm_module.rstd_from_sum_of_squares(squares2, k, eps)[:, None]
-            for tile_k2 in hl.tile(k, block_size=block_k):
-                x_tile2 = norm_module.normalize(x[tile_m2, tile_k2], rstd2, norm_weight[tile_k2], rounding)
-                acc2 = torch.addmm(acc2, x_tile2, weights[2][tile_k2, tile_n2])
+                sums2 = sums2 + norm_module.squares(x[tile_m2, tile_k2]).sum(-1, keepdim=True)
+        for tile_k2 in hl.tile(k, block_size=block_k):
+            x_tile2 = x[tile_m2, tile_k2]
+            if norm_weight is not None:
+                if m <= norm_module.ONE_PASS_MAX_M:
+                    squares2 = squares2 + norm_module.squares(x_tile2)
+                x_tile2 = norm_module.weighted_rows(x_tile2, norm_weight[tile_k2])
+            acc2 = torch.addmm(acc2, x_tile2, weights[2][tile_k2, tile_n2])
+        if norm_weight is not None:
+            acc2 = norm_module.scale_rows(acc2, sums2 + squares2.sum(-1, keepdim=True), k, eps)
         outs[2][tile_m2, tile_n2] = epilogue2(acc2, operands, scalars, tile_m2, tile_n2).to(outs[2].dtype)
 
 
@@ -154,8 +159,8 @@ def multi_gemm_helion(
     empty = MULTI_GEMM_SLOTS - len(w_kns)  # slots without a weight: [K, 0], so their loops have no programs
     weights = [*w_kns, *(x.new_empty((k, 0)) for _ in range(empty))]
     targets = [*outs, *(x.new_empty((m, 0), dtype=out_dtype) for _ in range(empty))]
-    norm_weight, eps, rounding = norm_kernel_args(norm, x)
-    args = (x, norm_weight, eps, rounding, weights, targets, operands, scalars, *_epilogues(steps))
+    norm_weight, eps = norm_kernel_args(norm)
+    args = (x, norm_weight, eps, weights, targets, operands, scalars, *_epilogues(steps))
     compiled_kernel(multi_gemm_kernel, args, sigs, multi_kernel_config(config), 1)(*args)
     return outs
 

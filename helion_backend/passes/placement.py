@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from .. import dispatch
+from ..norm import FUSED_DTYPES
+from ..vocabulary import dtype_name
 from .context import GemmSite, PassContext
 
 
@@ -10,12 +12,22 @@ def run(ctx: PassContext) -> None:
     for site in ctx.sites:
         if site.rule is None:
             continue
-        limit = ctx.options.rmsnorm_prologue_max_m
-        if site.rms_norm is not None and site.static_m is not None and site.static_m > limit:
-            site.drop_prologue()
-            site.notes.append(f"RMSNorm not fused: M={site.static_m} > rmsnorm_prologue_max_m={limit} (every "
-                              "output tile would re-read its rows)")
+        if site.rms_norm is not None:
+            problem = _norm_unfusable(site, ctx.options.rmsnorm_prologue_max_m)
+            if problem:
+                site.drop_prologue()
+                site.notes.append(f"RMSNorm not fused: {problem}")
         site.runs_on, site.reason, site.helion_limit = place(site, ctx, site.rule.kernel, site.n)
+
+
+def _norm_unfusable(site: GemmSite, max_m: int) -> str | None:
+    """Why the kernels' one-pass norm (:mod:`helion_backend.norm`) should not run at this site, if it should not."""
+    if site.dtype not in FUSED_DTYPES:
+        return (f"{dtype_name(site.dtype)} rows times the norm's weight could overflow before the rows are scaled "
+                f"(fused for {', '.join(map(dtype_name, FUSED_DTYPES))})")
+    if site.static_m is not None and site.static_m > max_m:
+        return f"M={site.static_m} > rmsnorm_prologue_max_m={max_m} (every output tile would re-read its rows)"
+    return None
 
 
 def place(site: GemmSite, ctx: PassContext, kernel: str, n: int) -> tuple[str, str | None, int]:
