@@ -542,8 +542,8 @@ def block_scaled_mm_operands(xq: fx.Node, scale_a: fx.Node, scale_b: fx.Node, we
     except _NotTheFormat as e:
         return str(e)
     block_scales = _value_source(scale_b)  # [K/B, N/B]; transposed, it is stored [N/B, K/B]
-    return BlockFp8Operands(x, program, weight, block_scales.node, (*nodes, xq, *group_scales.views),
-                            block_scales.views, weight_scale_kn=not block_scales.transposed)
+    return BlockFp8Operands(x, program, weight, block_scales.node, (*nodes, xq, group_scales.node, *group_scales.views),
+                            block_scales.views or (scale_b,), weight_scale_kn=not block_scales.transposed)
 
 
 @dataclass(frozen=True)
@@ -552,7 +552,7 @@ class _ValueSource:
 
     node: fx.Node
     transposed: bool
-    views: tuple[fx.Node, ...]  # the ops seen through, outermost first
+    views: tuple[fx.Node, ...]  # the ops seen through, in graph order (the value last)
 
 
 def _value_source(node: fx.Node) -> _ValueSource:
@@ -571,7 +571,7 @@ def _value_source(node: fx.Node) -> _ValueSource:
         views.append(current)
         current, transposed = inner, flipped
         if same_shape(inner_shape, shape):
-            found = _ValueSource(current, transposed, tuple(views))
+            found = _ValueSource(current, transposed, tuple(reversed(views)))
     return found
 
 
