@@ -2,7 +2,8 @@
 
 A packed int4 weight is found as the exact chain that unpacks, centers and scales it
 (:func:`int4_weight_dequant`); the kernel reads the bytes and the group scales instead. Block fp8 written
-by hand is found as the two dequantizations feeding a float GEMM (:func:`block_fp8_operands`); its
+by hand is found as the two dequantizations feeding a float GEMM (:func:`block_fp8_operands`), and
+through ``torch._scaled_mm`` as its blockwise scales (:func:`block_scaled_mm_operands`); either way its
 activation's quantization per group is recorded as a program like the per-token one.
 
 Dynamic per-token activation quantization is found as the region of pointwise ops and one amax over K
@@ -390,9 +391,10 @@ class BlockFp8Operands:
     x: fx.Node  # the float activation [M, K], before its quantization per group
     program: QuantProgram  # the quantization of one [M, B] group (the graph's own ops)
     weight: fx.Node  # fp8 [N, K]
-    weight_scale: fx.Node  # fp32 [N/B, K/B]
+    weight_scale: fx.Node  # fp32 [N/B, K/B], or [K/B, N/B] with weight_scale_kn
     activation_nodes: tuple[fx.Node, ...]
     weight_nodes: tuple[fx.Node, ...]
+    weight_scale_kn: bool = False  # the scales are stored as _scaled_mm reads them: the op takes their transpose
 
 
 def block_fp8_operands(x_dq: fx.Node, w_dq: fx.Node, dtype: torch.dtype, block: int) -> BlockFp8Operands | str | None:
@@ -455,7 +457,15 @@ def _block_fp8_activation(x_dq: fx.Node, dtype: torch.dtype, block: int) -> tupl
         values, scale = scale, values
     _expect(values.target is prims.convert_element_type.default and values.args[1] == torch.float32,
             "the quantized activation is not converted to fp32 before its scale")
-    quantized = values.args[0]
+    x, program, nodes = _grouped_quantization(values.args[0], scale, m, k, block)
+    _expect(val(x).dtype == dtype, "the quantized activation is not the GEMM's [M, K] activation in its dtype")
+    return x, program, (*nodes, values, product, *dict.fromkeys([flat, x_dq]))
+
+
+def _grouped_quantization(quantized: fx.Node, scale: fx.Node, m: int | torch.SymInt, k: int,
+                          block: int) -> tuple[fx.Node, QuantProgram, tuple[fx.Node, ...]]:
+    """The float [M, K] activation that ``quantized`` (fp8 [M, K/B, B]) and ``scale`` (fp32 [M, K/B, 1]) are
+    the quantization per 1 x B group of, the program, and its nodes (the grouped view of x first)."""
     scale_val = val(scale)
     _expect(scale_val is not None and scale_val.dtype == torch.float32
             and same_shape(scale_val.shape, (m, k // block, 1)), f"the activation scale is not fp32 [M, K/{block}, 1]")
@@ -467,9 +477,9 @@ def _block_fp8_activation(x_dq: fx.Node, dtype: torch.dtype, block: int) -> tupl
             "reads other tensors, e.g. constants lifted to inputs by dynamic=True, or ops outside the vocabulary)")
     x = _reshape_source(found.x, (m, k // block, block), "the grouped activation")
     x_val = val(x)
-    _expect(x_val is not None and x_val.dtype == dtype and same_shape(x_val.shape, (m, k)),
-            "the quantized activation is not the GEMM's [M, K] activation in its dtype")
-    return x, found.program, (found.x, *found.nodes, values, product, *dict.fromkeys([flat, x_dq]))
+    _expect(x_val is not None and x_val.dtype in SUPPORTED_DTYPES.values() and same_shape(x_val.shape, (m, k)),
+            "the quantized activation is not a float [M, K] tensor")
+    return x, found.program, (found.x, *found.nodes)
 
 
 def _block_fp8_weight(w_dq: fx.Node, dtype: torch.dtype, block: int) -> tuple[fx.Node, fx.Node, tuple]:
@@ -492,3 +502,98 @@ def _block_fp8_weight(w_dq: fx.Node, dtype: torch.dtype, block: int) -> tuple[fx
             and same_shape(scale_val.shape, (n // block, k // block)),
             f"the weight scales are not an fp32 [N/{block}, K/{block}] tensor")
     return weight, scale, (converted, values, scale_view, product, *dict.fromkeys([flat, w_dq]))
+
+
+# --------------------------------------------------------------------------------------------------
+# Block fp8 through torch._scaled_mm (torch >= 2.9, SM90): the same quantization, with the activation's
+# [M, K/B] group scales and the weight's [K/B, N/B] block scales handed to cuBLAS.
+
+
+def block_scaled_mm_operands(xq: fx.Node, scale_a: fx.Node, scale_b: fx.Node, weight: fx.Node,
+                             weight_layout: str, block: int) -> BlockFp8Operands | str | None:
+    """The block-fp8 operands of ``_scaled_mm(xq, mat2, scale_a, scale_b)`` (``mat2`` is ``weight`` seen in
+    ``weight_layout``): None when the scales' shapes are not 1 x B activation and B x B weight ones, a
+    string saying what differs when they are but the call is not the block fp8 the kernel computes.
+
+    ``_scaled_mm`` picks its scaling from the scales' shapes alone (scale_a [M, K/B], scale_b [K/B, N/B]),
+    so they decide here too. Then only this form is taken (:class:`~helion_backend.quantize.BlockFp8Linear`
+    writes it): K and N multiples of B, ``xq`` and ``scale_a`` the quantization per group of one float
+    [M, K] activation (as :func:`block_fp8_operands` takes it), reshaped, the scales seen through the
+    clones, transposes and padding that only change their layout, and ``mat2`` an fp8 [N, K] tensor
+    transposed.
+    """
+    x_val, a, b, w = val(xq), val(scale_a), val(scale_b), val(weight)
+    if any(t is None or t.dim() != 2 for t in (x_val, a, b, w)):
+        return None
+    (m, k), n = x_val.shape, w.shape[0 if weight_layout == "nk" else 1]
+    groups = -(-k // block)
+    if not (same_shape(a.shape, (m, groups)) and same_shape(b.shape, (groups, -(-n // block)))):
+        return None
+    try:
+        _expect(k % block == 0 and n % block == 0, f"K={k} and N={n} must be multiples of the block {block}")
+        _expect(a.dtype == b.dtype == torch.float32, f"the scales are {a.dtype} and {b.dtype}, not fp32")
+        _expect(weight_layout == "nk" and w.dtype == torch.float8_e4m3fn,
+                "mat2 is not an fp8 [N, K] weight transposed (nn.Linear's layout)")
+        group_scales = _value_source(scale_a)
+        _expect(not group_scales.transposed, "scale_a is not the activation's [M, K/B] group scales as computed")
+        quantized = _reshape_source(xq, (m, k), "the quantized activation")
+        scale = _reshape_source(group_scales.node, (m, groups), "scale_a")
+        x, program, nodes = _grouped_quantization(quantized, scale, m, k, block)
+    except _NotTheFormat as e:
+        return str(e)
+    block_scales = _value_source(scale_b)  # [K/B, N/B]; transposed, it is stored [N/B, K/B]
+    return BlockFp8Operands(x, program, weight, block_scales.node, (*nodes, xq, group_scales.node, *group_scales.views),
+                            block_scales.views or (scale_b,), weight_scale_kn=not block_scales.transposed)
+
+
+@dataclass(frozen=True)
+class _ValueSource:
+    """A 2-D tensor holding a value's elements at the same indices (swapped when ``transposed``)."""
+
+    node: fx.Node
+    transposed: bool
+    views: tuple[fx.Node, ...]  # the ops seen through, in graph order (the value last)
+
+
+def _value_source(node: fx.Node) -> _ValueSource:
+    """The deepest tensor ``node`` (2-D) only re-lays out: seen through clones, transposes, padding at the end
+    and slices from the start, as long as every index of ``node`` stays inside each tensor on the way (so
+    no padded element is ever read). This is how a library hands scales to ``_scaled_mm`` in the layout it
+    wants (``s.t().contiguous().t()``, ``F.pad(s, (0, p)).t()[:k]``): the kernel reads ``s`` as stored."""
+    shape = val(node).shape
+    found = _ValueSource(node, False, ())
+    current, transposed, views = node, False, []
+    while (inner := _relaid_input(current)) is not None:
+        flipped = transposed != _is_transpose(current)
+        inner_shape = val(inner).shape[::-1] if flipped else val(inner).shape
+        if not all(statically_known_true(have >= need) for have, need in zip(inner_shape, shape)):
+            break
+        views.append(current)
+        current, transposed = inner, flipped
+        if same_shape(inner_shape, shape):
+            found = _ValueSource(current, transposed, tuple(reversed(views)))
+    return found
+
+
+def _relaid_input(node: fx.Node) -> fx.Node | None:
+    """The 2-D input of ``node`` when ``node`` keeps each of its elements at the same index (or swaps the
+    two indices): a clone, a transpose, a slice from the start or padding at the end; else None."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    source, out = node.args[0], val(node)
+    if val(source) is None or out is None or val(source).dim() != 2 or out.dim() != 2:
+        return None
+    if node.target is aten.clone.default or _is_transpose(node):
+        return source
+    if node.target is aten.slice.Tensor:
+        given = list(node.args[2:5])
+        start, _end, step = given + [None, None, 1][len(given):]  # aten.slice's defaults for what is left out
+        return source if start in (None, 0) and step == 1 else None
+    if node.target is aten.constant_pad_nd.default:
+        pad = node.args[1]
+        return source if all(before == 0 for before in pad[0::2]) else None
+    return None
+
+
+def _is_transpose(node: fx.Node) -> bool:
+    return node.target is aten.t.default or (node.target is aten.permute.default and list(node.args[1]) == [1, 0])

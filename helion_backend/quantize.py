@@ -255,8 +255,8 @@ class BlockFp8Linear(_QuantizedLinear):
     """fp8 with DeepSeek-V3 block scales: per-token groups of 128 along K, 128x128 weight blocks.
 
     The default forward dequantizes both operands and calls ``F.linear`` (the form that runs on every
-    device and that a backend can fuse). ``use_scaled_mm=True`` calls the blockwise
-    ``torch._scaled_mm`` instead (bias added after it); it is probed once at construction and refused
+    device). ``use_scaled_mm=True`` calls the blockwise ``torch._scaled_mm`` instead (bias added after
+    it; the backend fuses both forms into one kernel); it is probed once at construction and refused
     with a clear error where the installed PyTorch lacks it (e.g. on the CPU), so build the layer on the
     device it will run on.
     """

@@ -104,7 +104,8 @@ class Anchor(enum.Enum):
     MM = "mm"  # aten.mm with a [K, N] right-hand side
     ADDMM = "addmm"  # aten.addmm, i.e. mm whose first epilogue step is a bias
     LINEAR = "linear"  # mm/addmm whose weight is an [N, K] tensor seen through permute([1, 0])
-    SCALED_MM = "scaled_mm"  # aten._scaled_mm (fp8): its scales and bias become leading epilogue steps
+    SCALED_MM = "scaled_mm"  # aten._scaled_mm (fp8): its scales and bias become leading epilogue steps (block
+    # scales: the block fp8 prologue)
     INT_MM = "int_mm"  # aten._int_mm (int8 x int8 -> int32)
 
 

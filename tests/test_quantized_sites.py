@@ -451,3 +451,185 @@ def test_block_fp8_near_misses_stay_unfused_with_a_note(variant):
         assert site.prologue == [] and site.kernel == "gemm", site
         assert any("not as block fp8" in note for note in site.notes), site.notes
     assert sqnr_db(expected, out) >= 40
+
+
+# --------------------------------------------------------------------------------------------------
+# Block fp8 through _scaled_mm with blockwise scales (torch >= 2.9 on SM90). The CPU build has no blockwise
+# _scaled_mm, but its meta kernel traces one: layers are built in the dequantize form and switched (past
+# the constructor's probe), the fused site runs the reference, and graphs that keep the _scaled_mm are
+# analyzed without being run.
+
+
+def scaled_mm_block_model(k: int, n: int, dtype: torch.dtype, bias: bool = True) -> Block:
+    """``Block`` with a block fp8 ``_scaled_mm`` linear whose weight blocks have scales far apart (random
+    blocks alone have nearly equal ones, which would hide a transposed scale)."""
+    model = Block(k, n)
+    b = FP8_BLOCK
+    with torch.no_grad():
+        spread = torch.exp2(torch.arange((n // b) * (k // b)) % 7 - 3.0).reshape(n // b, 1, k // b, 1)
+        model.proj.weight.copy_((model.proj.weight.reshape(n // b, b, k // b, b) * spread).reshape(n, k))
+    model = quantize(model.to(dtype).eval(), "fp8_block")
+    if not bias:
+        model.proj.bias = None
+    model.proj.use_scaled_mm = True
+    return model
+
+
+def block_fp8_float64(layer: BlockFp8Linear, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` in float64: x quantized per 1 x 128 group as the layer does, then both operands
+    dequantized exactly and multiplied."""
+    n, k, b = layer.out_features, layer.in_features, FP8_BLOCK
+    xg = x.reshape(-1, k // b, b)
+    scale = (xg.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+    xq = (xg.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    x_dq = (xq.double() * scale.double()).reshape(-1, k)
+    w_dq = (layer.qweight.double().reshape(n // b, b, k // b, b)
+            * layer.weight_scale.double().reshape(n // b, 1, k // b, 1)).reshape(n, k)
+    out = x_dq @ w_dq.t() + (layer.bias.double() if layer.bias is not None else 0)
+    return out.reshape(*x.shape[:-1], n)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("dtype, k, n", [(torch.float32, 256, 256), (torch.bfloat16, 512, 384)])
+def test_block_fp8_scaled_mm_fuses_as_the_hand_written_form(dtype, k, n, bias, tmp_path):
+    """Same site, family and steps as the dequantize-then-linear form; the op reads the stored block scales
+    (no padding or transpose left per call); on fresh inputs it matches float64 (K = N: a transposed
+    scale would go unnoticed by the shapes, not by the values)."""
+    torch.manual_seed(14)
+    model = scaled_mm_block_model(k, n, dtype, bias)
+    x, r = torch.randn(2, 3, k, dtype=dtype), torch.randn(2, 3, n, dtype=dtype)
+    with torch.no_grad():
+        _, reports = compile_run(copy.deepcopy(model), x, r, options={**CPU_REWRITE, "debug_dir": str(tmp_path)})
+        dequantize_form = copy.deepcopy(model)
+        dequantize_form.proj.use_scaled_mm = False
+        _, hand_written = compile_run(dequantize_form, x, r)
+    (site,), (expected_site,) = sites(reports), sites(hand_written)
+    assert (site.rule, site.kernel, site.prologue, site.epilogue, site.notes) == (
+        expected_site.rule, "gemm_fp8_block", PROLOGUE["fp8_block"], expected_site.epilogue, []), site
+    assert site.epilogue[:2] == (["bias", "gelu_tanh"] if bias else ["gelu_tanh", "residual"]), site.epilogue
+    (after,) = tmp_path.glob("*/after.py")
+    assert "aten._scaled_mm" not in after.read_text() and "constant_pad_nd" not in after.read_text()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="helion_inductor", options=CPU_REWRITE)
+    for _ in range(2):
+        x, r = torch.randn(2, 3, k, dtype=dtype), torch.randn(2, 3, n, dtype=dtype)
+        with torch.no_grad():
+            out = compiled(x, r)
+        assert sites(helion_backend.get_reports())[-1].kernel == "gemm_fp8_block"
+        expected = F.gelu(block_fp8_float64(model.proj, x), approximate="tanh") + r.double()
+        assert sqnr_db(expected, out) >= (90 if dtype == torch.float32 else 40)
+
+
+def analyze(fn, *args, options: dict | None = None):
+    """The backend's report on ``fn``'s graph, traced with fake tensors and not run (the CPU cannot run a
+    blockwise ``_scaled_mm``)."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from helion_backend.options import BackendOptions
+    from helion_backend.passes.manager import HelionPassManager
+
+    gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
+    manager = HelionPassManager(BackendOptions.from_user({**CPU_REWRITE, **(options or {})}))
+    manager(gm.graph)
+    (report,) = manager.reports
+    return report
+
+
+def block_quantize(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] quantized per 1 x block group: (fp8 [M, K], fp32 scales [M, K/block])."""
+    xg = x.reshape(x.shape[0], -1, block)
+    scale = (xg.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+    xq = (xg.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return xq.reshape(x.shape), scale.reshape(x.shape[0], -1)
+
+
+def _scaled_mm(xq, qweight, scale_a, scale_b):
+    return torch._scaled_mm(xq, qweight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+
+
+def _quantized_here(x, qweight, ws):  # control: the form BlockFp8Linear writes
+    xq, scale = block_quantize(x)
+    return _scaled_mm(xq, qweight, scale.t().contiguous().t(), ws.t())
+
+
+def _k_not_a_multiple(x, qweight, ws):  # blockwise shapes by ceil(K / 128), K = 192
+    xq, scale = block_quantize(F.pad(x, (0, 64)))
+    return _scaled_mm(xq[:, :192], qweight, scale, ws.t())
+
+
+def _scales_transposed(x, qweight, ws):  # scale_a [M, K/128] in shape, but holding its transpose's values
+    xq, scale = block_quantize(x)
+    return _scaled_mm(xq, qweight, scale.reshape(scale.shape[1], -1).t(), ws.t())
+
+
+def _pre_quantized(xq, scale, qweight, ws):  # static: nothing to quantize in the kernel
+    return _scaled_mm(xq, qweight, scale, ws.t())
+
+
+def _activation_and_weight_1x128(x, qweight, ws):  # scale_b [K/128, N]: 1 x 128 weight groups
+    xq, scale = block_quantize(x)
+    return _scaled_mm(xq, qweight, scale, ws.repeat_interleave(FP8_BLOCK, 0).t())
+
+
+def _activation_128x128(x, qweight, ws):  # scale_a [M/128, K/128] (M = 4 < 128), scale_b [K/128, N]
+    xq, scale = block_quantize(x)
+    return _scaled_mm(xq, qweight, scale[:1], ws.repeat_interleave(FP8_BLOCK, 0).t())
+
+
+@pytest.mark.parametrize("fn, reason", [
+    (_quantized_here, None),
+    (_k_not_a_multiple, "K=192 and N=256 must be multiples of the block 128"),
+    (_scales_transposed, "scale_a is not the activation's [M, K/B] group scales"),
+    (_pre_quantized, "the quantized activation is not a reshape"),
+    (_activation_and_weight_1x128, "is not per-token, per-channel, per-tensor or 1 x 128 / 128 x 128 blockwise"),
+    (_activation_128x128, "is not per-token, per-channel, per-tensor or 1 x 128 / 128 x 128 blockwise"),
+], ids=lambda v: getattr(v, "__name__", "")[1:] or None)
+def test_scaled_mm_is_block_fp8_only_when_its_scales_say_so(fn, reason):
+    """Blockwise only for scale_a [M, K/128] and scale_b [K/128, N/128] computed as the quantization of the
+    GEMM's own activation, and K and N multiples of 128; any other _scaled_mm stays unfused, saying why."""
+    torch.manual_seed(15)
+    k, n = (192, 256) if fn is _k_not_a_multiple else (256, 256)
+    layer = BlockFp8Linear.from_linear(nn.Linear(256 if fn is _k_not_a_multiple else k, n))
+    qweight = layer.qweight[:, :k]
+    x = torch.randn(4, k, dtype=torch.bfloat16)
+    args = block_quantize(x) if fn is _pre_quantized else (x,)
+    report = analyze(fn, *args, qweight, layer.weight_scale)
+    if reason is None:
+        (site,) = report.sites
+        assert (site.kernel, site.prologue) == ("gemm_fp8_block", PROLOGUE["fp8_block"]), site
+        return
+    assert not report.sites, report.summary()
+    (unfused,) = report.unfused_gemms
+    assert reason in unfused.reason, unfused.reason
+
+
+def test_block_scaled_mm_never_runs_without_its_prologue(tmp_path):
+    """Under rules that take no block fp8 prologue, the _scaled_mm is not fused as a plain fp8 GEMM (that
+    would drop its block scales): it stays as it is, and the report says why."""
+    rules = tmp_path / "rules.toml"
+    rules.write_text('[[rule]]\nname = "fp8_any"\nanchor = ["scaled_mm"]\nkernel = "gemm_fp8"\nepilogue = ["bias?"]\n')
+    torch.manual_seed(16)
+    layer = BlockFp8Linear.from_linear(nn.Linear(256, 128))
+    report = analyze(_quantized_here, torch.randn(4, 256, dtype=torch.bfloat16), layer.qweight, layer.weight_scale,
+                     options={"builtin_rules": False, "rules": [str(rules)]})
+    assert not report.sites, report.summary()
+    (unfused,) = report.unfused_gemms
+    assert "fuses only with its block fp8 prologue" in unfused.reason, unfused.reason
+    assert "fp8_any: dtype torch.bfloat16 not allowed" in unfused.reason, unfused.reason
+
+
+@pytest.mark.skipif(not hasattr(F, "scaled_mm"), reason="no torch.nn.functional.scaled_mm in this torch")
+def test_functional_scaled_mm_is_reported_unfused():
+    """``F.scaled_mm`` (``_scaled_mm_v2``, scaling recipes as arguments) has no anchor yet: the report lists it."""
+    def fn(xq, scale_a, qweight, scale_b):
+        return F.scaled_mm(xq, qweight.t(), scale_a, F.ScalingType.BlockWise1x128, scale_b,
+                           F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+
+    layer = BlockFp8Linear.from_linear(nn.Linear(256, 128))
+    xq, scale = block_quantize(torch.randn(4, 256))
+    # The blockwise recipe reads scale_b padded to a multiple of 4 rows, column-major.
+    report = analyze(fn, xq, scale.t().contiguous().t(), layer.qweight, F.pad(layer.weight_scale, (0, 2)).t())
+    assert not report.sites, report.summary()
+    (unfused,) = report.unfused_gemms
+    assert unfused.op == "aten._scaled_mm_v2.default" and "no rule anchor" in unfused.reason, unfused

@@ -62,8 +62,13 @@ class GemmSite:
     prologue: list[Step] = field(default_factory=list)
     quant_program: QuantProgram | None = None
     # The scales a weight dequantization reads besides the weight (dequant_int4: [N, K/G] group scales;
-    # dequant_fp8_block: [N/128, K/128] block scales).
+    # dequant_fp8_block: [N/128, K/128] block scales, or with weight_scale_kn [K/128, N/128] ones, which the
+    # rewrite passes transposed).
     weight_scale: fx.Node | None = None
+    weight_scale_kn: bool = False
+    # Why the anchor cannot run without the prologue (_scaled_mm's block scales are applied only by it):
+    # dropping the prologue then leaves the site unfused, with this reason.
+    prologue_required: str | None = None
     # A fused RMSNorm (x is then the norm's input): its weight, spec and the view to [M, K], if any.
     rms_norm: RmsNormMatch | None = None
     # A gated MLP's up projection, multiplied in by the ``up_mul`` step: its weight as stored, and layout.

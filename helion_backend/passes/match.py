@@ -95,9 +95,12 @@ def choose_rule(site: GemmSite, rules: Sequence[Rule]) -> None:
     """Give ``site`` the best applicable rule (priority, then length) and cut its chain to fit.
 
     A site with a prologue no rule takes (or whose epilogue lost the prologue's scale step) drops the
-    prologue and tries again. With no applicable rule the site keeps ``rule=None`` and a reason naming
-    each rule's objection.
+    prologue and tries again, unless its anchor needs it. With no applicable rule the site keeps
+    ``rule=None`` and a reason naming each rule's objection.
     """
+    if site.prologue_required and not site.prologue:  # the notes say why the prologue was dropped
+        site.rule, site.reason = None, "; ".join([site.prologue_required, *site.notes])
+        return
     all_rules = rules
     names = [s.name for s in site.chain if not s.transparent]
     best: tuple[tuple[int, int], Rule, int] | None = None

@@ -7,7 +7,8 @@ weight as stored plus its layout, and what the anchor itself applies after the m
 bias; _scaled_mm's scales and bias) as leading epilogue steps. An int8 weight converted to the
 activation's dtype on its way in is a ``dequant_int8`` prologue, a packed int4 weight unpacked and
 scaled per group a ``dequant_int4`` one; a float GEMM of two block-fp8 dequantizations (DeepSeek-V3,
-written by hand) takes both, as ``quant_fp8_per_group`` and ``dequant_fp8_block``. The graph is not changed: a site
+written by hand) takes both, as ``quant_fp8_per_group`` and ``dequant_fp8_block``, and so does a
+``_scaled_mm`` with 1 x 128 activation and 128 x 128 weight scales. The graph is not changed: a site
 that is not fused keeps its original form, which Inductor knows best.
 """
 
@@ -18,7 +19,13 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..patterns import operand_kind, same_shape, val
-from ..quant_patterns import BlockFp8Operands, Int4WeightDequant, block_fp8_operands, int4_weight_dequant
+from ..quant_patterns import (
+    BlockFp8Operands,
+    Int4WeightDequant,
+    block_fp8_operands,
+    block_scaled_mm_operands,
+    int4_weight_dequant,
+)
 from ..vocabulary import ANCHOR_OPS, FP8_BLOCK, SUPPORTED_DTYPES, Anchor, Operand
 from .context import GemmSite, PassContext, Step
 
@@ -26,8 +33,10 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 
 _TRANSPOSES = {aten.permute.default, aten.t.default}
-# GEMMs that exist in graphs but that no rule can anchor on yet: reported, never rewritten.
-_OTHER_GEMMS = {aten.bmm.default, aten.baddbmm.default}
+# GEMMs that exist in graphs but that no rule can anchor on yet: reported, never rewritten. (_scaled_mm_v2,
+# torch.nn.functional.scaled_mm's op, takes its scaling recipes as arguments; newer torch versions have it.)
+_OTHER_GEMMS = {aten.bmm.default, aten.baddbmm.default,
+                *(op.default for op in [getattr(aten, "_scaled_mm_v2", None)] if op is not None)}
 _OP_NAMES = {op: name for name, op in ANCHOR_OPS.items()}
 # What each anchor multiplies, by input dtype.
 _INPUT_DTYPES = {
@@ -78,7 +87,7 @@ def _describe(node: fx.Node) -> GemmSite | str:
         anchor=node, forms=frozenset(forms), x=x, weight=weight, weight_layout=layout,
         m=m, k=k, n=n, dtype=x_val.dtype, device=x_val.device,
     )
-    leading = _leading_steps(anchor, node, val(unpad) if unpad is not None else out_val, n, addmm_input)
+    leading = _leading_steps(site, val(unpad) if unpad is not None else out_val, addmm_input)
     if isinstance(leading, str):
         return leading
     site.leading_steps = leading + ([Step("unpad", [unpad], transparent=True)] if unpad is not None else [])
@@ -88,13 +97,12 @@ def _describe(node: fx.Node) -> GemmSite | str:
     return site
 
 
-def _leading_steps(anchor: Anchor, node: fx.Node, out_val: torch.Tensor, n: int,
-                   addmm_input: fx.Node | None) -> list[Step] | str:
-    if anchor is Anchor.ADDMM:
-        step = _addmm_input_step(node, addmm_input, out_val, n)
+def _leading_steps(site: GemmSite, out_val: torch.Tensor, addmm_input: fx.Node | None) -> list[Step] | str:
+    if Anchor.ADDMM.value in site.forms:
+        step = _addmm_input_step(site.anchor, addmm_input, out_val, site.n)
         return step if isinstance(step, str) else [step]
-    if anchor is Anchor.SCALED_MM:
-        return _scaled_mm_steps(node, out_val, n)
+    if Anchor.SCALED_MM.value in site.forms:
+        return _scaled_mm_steps(site, out_val)
     return []
 
 
@@ -152,24 +160,49 @@ def _keeps_first_rows(slice_node: fx.Node, rows: int) -> bool:
     return isinstance(size, int) and min(end + size if end < 0 else end, size) == rows
 
 
-def _scaled_mm_steps(node: fx.Node, out_val: torch.Tensor, n: int) -> list[Step] | str:
-    """``_scaled_mm``'s own epilogue as steps: scale_a, scale_b, then the bias, all on the fp32 product."""
+def _scaled_mm_steps(site: GemmSite, out_val: torch.Tensor) -> list[Step] | str:
+    """``_scaled_mm``'s own epilogue as steps: scale_a, scale_b, then the bias, all on the fp32 product.
+    Block scales are no steps: they make the call block fp8, whose prologue applies them."""
+    node = site.anchor
     scale_a, scale_b, bias, scale_result = (list(node.args[2:6]) + [None] * 4)[:4]
     bias = node.kwargs.get("bias", bias)
     if node.kwargs.get("scale_result", scale_result) is not None:
         return "_scaled_mm with scale_result (fp8 output) is not fused"
+    steps = _scale_steps(node, scale_a, scale_b, out_val)
+    if isinstance(steps, str):  # blockwise, then?
+        found = block_scaled_mm_operands(site.x, scale_a, scale_b, site.weight, site.weight_layout, FP8_BLOCK)
+        if found is None:
+            return steps
+        if isinstance(found, str):
+            return f"_scaled_mm with {FP8_BLOCK} x {FP8_BLOCK} block scales is not fused: {found}"
+        _fuse_block_scaled_mm(site, found)
+        steps = []
+    if bias is not None:
+        if operand_kind(bias, out_val, site.n) is not Operand.ROW:
+            return "_scaled_mm bias is not an [N] vector"
+        steps.append(Step("bias", [node], operand=bias))
+    return steps
+
+
+def _scale_steps(node: fx.Node, scale_a: fx.Node, scale_b: fx.Node, out_val: torch.Tensor) -> list[Step] | str:
     steps = []
     for scale, what, per_row in ((scale_a, "scale_a", True), (scale_b, "scale_b", False)):
         name = _scale_step(scale, out_val, per_row)
         if name is None:
             shape = tuple(val(scale).shape) if val(scale) is not None else "?"
-            return f"_scaled_mm {what} of shape {shape} is not per-token, per-channel or per-tensor"
+            return (f"_scaled_mm {what} of shape {shape} is not per-token, per-channel, per-tensor or "
+                    f"1 x {FP8_BLOCK} / {FP8_BLOCK} x {FP8_BLOCK} blockwise")
         steps.append(Step(name, [node], operand=scale))
-    if bias is not None:
-        if operand_kind(bias, out_val, n) is not Operand.ROW:
-            return "_scaled_mm bias is not an [N] vector"
-        steps.append(Step("bias", [node], operand=bias))
     return steps
+
+
+def _fuse_block_scaled_mm(site: GemmSite, found: BlockFp8Operands) -> None:
+    """A ``_scaled_mm`` with 1 x 128 activation and 128 x 128 weight scales (DeepSeek-V3 on torch >= 2.9) is
+    the same block fp8 site as the hand-written form. Only its prologue applies the block scales, so
+    the site may never run as a bare ``_scaled_mm``: without the prologue it stays unfused."""
+    site.prologue_required = (f"_scaled_mm with {FP8_BLOCK} x {FP8_BLOCK} block scales fuses only with its "
+                              "block fp8 prologue")
+    _fuse_block_fp8_prologue(site, found)
 
 
 def _scale_step(scale: fx.Node, out_val: torch.Tensor, per_row: bool) -> str | None:
@@ -227,14 +260,19 @@ def _fuse_block_fp8(site: GemmSite) -> None:
         return
     found = block_fp8_operands(site.x, site.weight, site.dtype, FP8_BLOCK)
     if isinstance(found, BlockFp8Operands):
-        site.fuse_prologue(Step("quant_fp8_per_group", list(found.activation_nodes)), x=found.x,
-                           quant_program=found.program)
-        site.fuse_prologue(Step("dequant_fp8_block", list(found.weight_nodes)), weight=found.weight,
-                           weight_scale=found.weight_scale)
+        _fuse_block_fp8_prologue(site, found)
     elif found is not None:
         site.notes.append(f"the operands are dequantized from fp8 but not as block fp8 ({FP8_BLOCK} x {FP8_BLOCK} "
                           f"weight blocks, 1 x {FP8_BLOCK} activation groups): {found}; the GEMM reads them as the "
                           "graph computes them")
+
+
+def _fuse_block_fp8_prologue(site: GemmSite, found: BlockFp8Operands) -> None:
+    """The kernel reads the float activation (the site's dtype from now on), and the fp8 weight with its scales."""
+    site.fuse_prologue(Step("quant_fp8_per_group", list(found.activation_nodes)), x=found.x,
+                       quant_program=found.program, dtype=val(found.x).dtype)
+    site.fuse_prologue(Step("dequant_fp8_block", list(found.weight_nodes)), weight=found.weight,
+                       weight_scale=found.weight_scale, weight_scale_kn=found.weight_scale_kn)
 
 
 def _see_through_transpose(rhs: fx.Node) -> tuple[fx.Node, str]:

@@ -56,7 +56,7 @@ def _replace(graph: fx.Graph, site: GemmSite, config_dir: str, name: str, replac
             x,
             site.weight,
             site.weight_layout,
-            site.weight_scale,
+            _weight_scale(graph, site, replaced),
             site.up_weight,
             site.up_layout,
             format_steps([s.name for s in site.prologue]),
@@ -108,6 +108,15 @@ def _activation(graph: fx.Graph, site: GemmSite, replaced: dict[fx.Node, fx.Node
     if norm is not None and norm.view is not None:
         return _call(graph, aten.view.default, (replaced.get(norm.x, norm.x), norm.view.args[1]))
     return site.x
+
+
+def _weight_scale(graph: fx.Graph, site: GemmSite, replaced: dict[fx.Node, fx.Node]) -> fx.Node | None:
+    """The op's weight scales: block scales stored [K/B, N/B] (as ``_scaled_mm`` reads them) go in as their
+    [N/B, K/B] transpose, a view."""
+    scale = site.weight_scale
+    if scale is None or not site.weight_scale_kn:
+        return scale
+    return _call(graph, aten.permute.default, (replaced.get(scale, scale), [1, 0]))
 
 
 def _norm_args(norm: RmsNormMatch | None) -> tuple[fx.Node | None, str]:
