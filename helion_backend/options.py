@@ -27,8 +27,8 @@ class BackendOptions:
     max_helion_size: int = 32
     """Largest M (num_tokens) a site runs through Helion; larger M keeps cuBLAS and Inductor."""
     rmsnorm_prologue_max_m: int = 8
-    """Largest static M whose GEMM takes an RMSNorm into its prologue: each output tile re-reads its rows
-    to normalize them, which at larger M costs more than the norm's own kernel (H200 decode step)."""
+    """Largest static M whose GEMM takes an RMSNorm into its prologue: every output tile computes its rows'
+    statistics again, which at larger M costs more than the norm's own kernel (H200 decode step)."""
     merge_siblings: bool = True
     """Run GEMM sites that read the same activation (a decoder's q, k and v) in one Helion launch."""
     rewrite_on_cpu: bool = False
