@@ -154,12 +154,15 @@ Timer = Callable[[Step], float]  # microseconds of one call of ``step``
 
 def assert_tensors_close(actual: object, expected: object) -> None:
     """Helion's accuracy check (its default tolerances) on the tensors alone: the kernels' arguments also
-    hold epilogue callables, which ``torch.testing.assert_close`` refuses to compare."""
+    hold epilogue callables, which ``torch.testing.assert_close`` refuses to compare. One-byte tensors (the
+    quantized kernels' fp8/int8 inputs, which no kernel writes) must match bitwise: ``assert_close`` takes
+    no tolerance for fp8."""
     actual_tensors = [t for t in tree_leaves(actual) if isinstance(t, torch.Tensor)]
     expected_tensors = [t for t in tree_leaves(expected) if isinstance(t, torch.Tensor)]
     assert len(actual_tensors) == len(expected_tensors), (len(actual_tensors), len(expected_tensors))
     for a, e in zip(actual_tensors, expected_tensors):
-        torch.testing.assert_close(a, e, atol=1e-2, rtol=1e-2)
+        tolerance = 0 if a.element_size() == 1 else 1e-2
+        torch.testing.assert_close(a, e, atol=tolerance, rtol=tolerance)
 
 
 def helion_autotune(search: Search, effort: str, budget_s: int | None) -> helion.Config:

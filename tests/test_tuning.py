@@ -443,6 +443,15 @@ def test_keys_that_cannot_be_rebuilt_fail_alone_saying_why(tune_key, message):
         tuning.tune_key(tune_key, torch.device("cpu"), effort="quick", budget_s=1, timer=lambda step: 1.0)
 
 
+def test_helions_accuracy_check_compares_the_kernel_arguments_of_every_family():
+    """Tensors only (the epilogue callables are skipped), with a tolerance, and fp8/int8 inputs bitwise."""
+    w = torch.randn(8, 8).to(torch.float8_e4m3fn)
+    out = torch.randn(4, 8)
+    tuning.assert_tensors_close((w, out, [out], lambda acc: acc), (w.clone(), out + 1e-3, [out], lambda acc: acc))
+    with pytest.raises(AssertionError):
+        tuning.assert_tensors_close((w, out), (w.clone(), out + 1))
+
+
 def test_split_k_choices_keep_each_split_deep():
     assert configs.split_k_choices(1024) == [1]
     assert configs.split_k_choices(4096) == [1, 2, 4]
