@@ -100,7 +100,6 @@ def run_gemm_epilogue(
 ) -> torch.Tensor:
     # The step names are validated here; what they do is in the program, the dtypes and ``weight_scale``.
     prologue_steps = parse_prologue(prologue)
-    int4, block_fp8 = "dequant_int4" in prologue_steps, "dequant_fp8_block" in prologue_steps
     program = parse_program(quant_program) if quant_program else None
     norm = _norm(prologue_steps, norm_weight, norm_spec)
     steps = parse_epilogue(epilogue)
@@ -116,14 +115,7 @@ def run_gemm_epilogue(
             weight_scale=weight_scale, norm=norm))
         if fused is not None:
             return fused
-    if int4:
-        w_kn = dequantize_int4(weight, weight_scale, x.dtype).t()
-    elif block_fp8:
-        x, w_kn = dequantize_block_fp8(x, program, weight, weight_scale)
-        program = None
-    if norm is not None:
-        x = rms_norm(x, *norm)
-    return reference(x, w_kn, steps, flat, scalars, out_dtype, program, up_kn)
+    return unfused(x, w_kn, steps, flat, scalars, out_dtype, program, up_kn, weight_scale, norm)
 
 
 def run_multi_gemm_epilogue(
@@ -150,17 +142,15 @@ def run_multi_gemm_epilogue(
     w_kns = [weight_kn(w, layout) for w, layout in zip(weights, layouts)]
     per_output = [(flatten_operands(ops, s, w.shape[1]), scs)
                   for w, s, (ops, scs) in zip(w_kns, steps, split_per_output(steps, operands, scalars))]
+    flat = [op for ops, _ in per_output for op in ops]
     if _runs_helion(x, max_helion_m, site):
         from .kernels import multi_gemm_helion
 
-        flat = [op for ops, _ in per_output for op in ops]
         fused = _try_helion(site, x.shape[0], lambda: multi_gemm_helion(
             x, w_kns, steps, flat, scalars, out_dtype, config_dir=config_dir or None, norm=norm))
         if fused is not None:
             return fused
-    if norm is not None:
-        x = rms_norm(x, *norm)
-    return [reference(x, w, s, ops, scs, out_dtype) for w, s, (ops, scs) in zip(w_kns, steps, per_output)]
+    return unfused_multi(x, w_kns, steps, flat, scalars, out_dtype, norm)
 
 
 def _runs_helion(x: torch.Tensor, max_helion_m: int, site: str) -> bool:
@@ -232,6 +222,48 @@ def _fall_back(site: str, m: int, reason: str) -> None:
                 "failed (%s)", site or "<unnamed>", m, reason)
     report.record_fallback(site, f"M={m}: Helion kernel failed ({reason}); ran the reference instead")
     gc.collect()  # whatever the failure left in reference cycles goes now, not at some later collection
+
+
+def unfused(
+    x: torch.Tensor,
+    w_kn: torch.Tensor,
+    steps: Sequence[str],
+    operands: Sequence[torch.Tensor],
+    scalars: Sequence[float],
+    out_dtype: torch.dtype,
+    program: QuantProgram | None = None,
+    up_kn: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
+    norm: tuple[torch.Tensor, RmsNormSpec] | None = None,
+) -> torch.Tensor:
+    """What the fused op computes without Helion, from the arguments :func:`~.kernels.run_kernel` takes: a
+    scaled weight dequantized as the graph does (packed uint8 int4 with group scales, or block fp8 with its
+    activation's program), the RMSNorm applied, then :func:`reference`."""
+    if weight_scale is not None and w_kn.dtype == torch.uint8:
+        w_kn = dequantize_int4(w_kn.t(), weight_scale, x.dtype).t()
+    elif weight_scale is not None:
+        x, w_kn = dequantize_block_fp8(x, program, w_kn.t(), weight_scale)
+        program = None
+    if norm is not None:
+        x = rms_norm(x, *norm)
+    return reference(x, w_kn, steps, operands, scalars, out_dtype, program, up_kn)
+
+
+def unfused_multi(
+    x: torch.Tensor,
+    w_kns: Sequence[torch.Tensor],
+    steps: Sequence[Sequence[str]],
+    operands: Sequence[torch.Tensor],
+    scalars: Sequence[float],
+    out_dtype: torch.dtype,
+    norm: tuple[torch.Tensor, RmsNormSpec] | None = None,
+) -> list[torch.Tensor]:
+    """What the shared launch computes without Helion, from ``multi_gemm_helion``'s arguments: the norm once,
+    then each output's :func:`reference`."""
+    if norm is not None:
+        x = rms_norm(x, *norm)
+    per_output = split_per_output(steps, operands, scalars)
+    return [reference(x, w, s, ops, scs, out_dtype) for w, s, (ops, scs) in zip(w_kns, steps, per_output)]
 
 
 def reference(

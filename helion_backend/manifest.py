@@ -1,8 +1,8 @@
 """The compile manifest: the GEMM sites compiles sent to Helion, read by ``python -m helion_backend tune``.
 
 Every compile merges its Helion sites into ``BackendOptions.manifest_path`` (``<cache_dir>/manifest.json``),
-one entry per (kernel, epilogue, dtype, K, N) with every static M seen and, where M was dynamic, the
-largest M the site runs on Helion. The tuner turns those into the keys worth tuning, so a deployment
+one entry per (kernel, prologue, epilogue, dtype, K, N, widths) with every static M seen and, where M was
+dynamic, the largest M the site runs on Helion. The tuner turns those into the keys worth tuning, so a deployment
 tunes the shapes it serves rather than a benchmark's.
 
 Writing never fails a compile: an unwritable cache folder or a corrupt manifest costs a warning, and
@@ -12,11 +12,17 @@ instant may lose one's new sites until its next compile (there is no lock across
 The file::
 
     {"version": 1,
-     "sites": [{"kernel": "gemm", "epilogue": ["bias", "gelu_tanh"], "dtype": "bfloat16",
-                "k": 4096, "n": 12288, "m": [1, 8], "dynamic_m_limit": 32}]}
+     "sites": [{"kernel": "gemm", "prologue": ["rmsnorm"], "epilogue": ["bias", "gelu_tanh"],
+                "dtype": "bfloat16", "k": 4096, "n": 12288, "m": [1, 8], "dynamic_m_limit": 32},
+               {"kernel": "gemm_multi", "prologue": [], "epilogue": [], "dtype": "bfloat16",
+                "k": 4096, "n": 6144, "widths": [4096, 1024, 1024], "m": [1], "dynamic_m_limit": null}]}
 
 ``m`` lists the static token counts compiled; ``dynamic_m_limit`` is null unless the site was also
 compiled with a dynamic M, in which case it is the site's Helion limit (the largest M routed to Helion).
+``dtype`` is the GEMM's input dtype (float8_e4m3fn or int8 for a quantized GEMM). ``prologue`` lists the
+fused prologue steps (the kernels specialize on an RMSNorm's); a shared launch (``gemm_multi``) records its
+outputs' ``widths``, whose sum is ``n``, and its outputs' epilogues one after the other. Both fields came
+after version 1 and are optional: a manifest without them reads as sites without a prologue or widths.
 """
 
 from __future__ import annotations
@@ -30,7 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from .jsonfile import write_json_atomic
-from .vocabulary import EPILOGUE_STEPS, KERNEL_FAMILIES, MULTI_GEMM_FAMILY, RULE_DTYPES
+from .vocabulary import (
+    EPILOGUE_STEPS,
+    KERNEL_FAMILIES,
+    MULTI_GEMM_FAMILY,
+    MULTI_GEMM_SLOTS,
+    PROLOGUE_STEPS,
+    RULE_DTYPES,
+)
 
 # The families a compile may send sites to: the rules' and the shared launch of sites of one activation.
 MANIFEST_KERNELS = (*KERNEL_FAMILIES, MULTI_GEMM_FAMILY)
@@ -40,7 +53,8 @@ log = logging.getLogger(__name__)
 MANIFEST_VERSION = 1
 _lock = threading.Lock()  # compiles on several threads of one process merge one at a time
 
-SiteIdentity = tuple[str, tuple[str, ...], str, int, int]  # (kernel, epilogue, dtype, K, N)
+# (kernel, epilogue, dtype, K, N, prologue, widths)
+SiteIdentity = tuple[str, tuple[str, ...], str, int, int, tuple[str, ...], tuple[int, ...]]
 
 
 class ManifestError(ValueError):
@@ -49,7 +63,7 @@ class ManifestError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ManifestSite:
-    """One (kernel, epilogue, dtype, K, N) and the token counts it was compiled for."""
+    """One (kernel, epilogue, dtype, K, N, prologue, widths) and the token counts it was compiled for."""
 
     kernel: str
     epilogue: tuple[str, ...]
@@ -59,20 +73,21 @@ class ManifestSite:
     static_m: frozenset[int] = frozenset()
     # The Helion limit of the site where its M is dynamic (None: only static M was compiled).
     dynamic_m_limit: int | None = None
+    prologue: tuple[str, ...] = ()
+    widths: tuple[int, ...] = ()  # a shared launch's outputs (gemm_multi), summing to n; else empty
 
     @classmethod
     def declared(
         cls, kernel: str, epilogue: Sequence[str], dtype: str, k: int, n: int, m: int | None,
-        helion_limit: int,
+        helion_limit: int, *, prologue: Sequence[str] = (), widths: Sequence[int] = (),
     ) -> ManifestSite:
         """A site as one compile saw it: a static ``m``, or ``m=None`` (dynamic) up to ``helion_limit``."""
-        if m is None:
-            return cls(kernel, tuple(epilogue), dtype, k, n, dynamic_m_limit=helion_limit)
-        return cls(kernel, tuple(epilogue), dtype, k, n, static_m=frozenset({m}))
+        ms = {"dynamic_m_limit": helion_limit} if m is None else {"static_m": frozenset({m})}
+        return cls(kernel, tuple(epilogue), dtype, k, n, prologue=tuple(prologue), widths=tuple(widths), **ms)
 
     @property
     def identity(self) -> SiteIdentity:
-        return (self.kernel, self.epilogue, self.dtype, self.k, self.n)
+        return (self.kernel, self.epilogue, self.dtype, self.k, self.n, self.prologue, self.widths)
 
     def merge(self, other: ManifestSite) -> ManifestSite:
         """Every M either declares; of two dynamic limits the larger (a later table may have moved it)."""
@@ -83,8 +98,10 @@ class ManifestSite:
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {"kernel": self.kernel, "epilogue": list(self.epilogue), "dtype": self.dtype, "k": self.k,
-                "n": self.n, "m": sorted(self.static_m), "dynamic_m_limit": self.dynamic_m_limit}
+        widths = {"widths": list(self.widths)} if self.widths else {}
+        return {"kernel": self.kernel, "prologue": list(self.prologue), "epilogue": list(self.epilogue),
+                "dtype": self.dtype, "k": self.k, "n": self.n, **widths, "m": sorted(self.static_m),
+                "dynamic_m_limit": self.dynamic_m_limit}
 
     @classmethod
     def from_json(cls, data: object) -> ManifestSite:
@@ -94,10 +111,8 @@ class ManifestSite:
         missing = sorted({"kernel", "epilogue", "dtype", "k", "n", "m"} - data.keys())
         if missing:
             raise ValueError(f"missing field(s) {missing}")
-        epilogue = data["epilogue"]
-        if not (isinstance(epilogue, list) and all(isinstance(s, str) for s in epilogue)
-                and set(epilogue) <= EPILOGUE_STEPS.keys()):
-            raise ValueError(f"'epilogue' must list steps of {sorted(EPILOGUE_STEPS)}, got {epilogue!r}")
+        epilogue = _steps("epilogue", data["epilogue"], EPILOGUE_STEPS)
+        prologue = _steps("prologue", data.get("prologue", []), PROLOGUE_STEPS)
         if data["kernel"] not in MANIFEST_KERNELS:
             raise ValueError(f"unknown kernel {data['kernel']!r}; valid: {list(MANIFEST_KERNELS)}")
         if not isinstance(data["dtype"], str) or data["dtype"] not in RULE_DTYPES:
@@ -105,15 +120,37 @@ class ManifestSite:
         if not isinstance(data["m"], list):
             raise ValueError(f"'m' must be a list of token counts, got {data['m']!r}")
         limit = data.get("dynamic_m_limit")
+        n = _positive_int("n", data["n"])
         return cls(
             kernel=data["kernel"],
-            epilogue=tuple(epilogue),
+            epilogue=epilogue,
             dtype=data["dtype"],
             k=_positive_int("k", data["k"]),
-            n=_positive_int("n", data["n"]),
+            n=n,
             static_m=frozenset(_positive_int("m", m) for m in data["m"]),
             dynamic_m_limit=None if limit is None else _positive_int("dynamic_m_limit", limit, minimum=0),
+            prologue=prologue,
+            widths=_widths(data.get("widths", []), data["kernel"], n),
         )
+
+
+def _steps(name: str, value: object, vocabulary: dict[str, object]) -> tuple[str, ...]:
+    if not (isinstance(value, list) and all(isinstance(s, str) for s in value) and set(value) <= vocabulary.keys()):
+        raise ValueError(f"'{name}' must list steps of {sorted(vocabulary)}, got {value!r}")
+    return tuple(value)
+
+
+def _widths(value: object, kernel: str, n: int) -> tuple[int, ...]:
+    """A shared launch's output widths: 2 to MULTI_GEMM_SLOTS of them summing to ``n``; none for other sites."""
+    if not isinstance(value, list):
+        raise ValueError(f"'widths' must be a list of output widths, got {value!r}")
+    widths = tuple(_positive_int("widths", w) for w in value)
+    if widths and kernel != MULTI_GEMM_FAMILY:
+        raise ValueError(f"'widths' belong to {MULTI_GEMM_FAMILY} sites only, got {list(widths)} for {kernel}")
+    if widths and not (2 <= len(widths) <= MULTI_GEMM_SLOTS and sum(widths) == n):
+        raise ValueError(f"'widths' must be 2 to {MULTI_GEMM_SLOTS} output widths summing to n={n}, "
+                         f"got {list(widths)}")
+    return widths
 
 
 def _positive_int(name: str, value: object, minimum: int = 1) -> int:

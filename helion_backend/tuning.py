@@ -1,27 +1,29 @@
-"""``python -m helion_backend tune MANIFEST``: autotune the GEMM sites a deployment compiled, per num_tokens.
+"""``python -m helion_backend tune MANIFEST``: autotune the Helion sites a deployment compiled, per num_tokens.
 
 Compiles record the sites they send to Helion in a manifest (:mod:`.manifest`). The tuner expands it into
-keys (dtype, K, N, M): every static M of a site and, for a site compiled with a dynamic M, each
-``--num-tokens`` value up to the site's Helion limit. For each key it
+keys (kernel family, dtype, K, N, M): every static M of a site and, for a site compiled with a dynamic M,
+each ``--num-tokens`` value up to the site's Helion limit. Every family the backend runs on Helion is
+tuned: ``gemm``, the gated MLP (``gemm_glu``), the shared launch of q, k and v (``gemm_multi``) and the
+quantized ones. For each key, with the key's :class:`~.tuning_problems.Problem` (shared with
+``benchmarks/sweep_gemm_configs.py``), it
 
-1. runs Helion's autotuner on :func:`~.kernels.gemm.gemm_kernel` once per split-K factor worth trying.
-   ``split_k`` is one of the kernel's tunables, but a split writes fp32 partial sums to a workspace of
-   another shape and needs a finishing pass the autotuner never sees, so each split is searched on its
-   own, with ``split_k`` fixed, and the searches share the key's time budget;
-2. runs each search's winner, and the config the backend runs today, end to end
-   (:func:`~.kernels.gemm.gemm_epilogue_helion`, finishing pass included) against a float64 reference
-   and drops any beyond :data:`TOLERANCE` (the autotuner only compares candidates with a baseline
-   config, and may return one it never ran when the budget ends first);
+1. runs Helion's autotuner on the family's GEMM kernel once per value of the family's config keys that a
+   search cannot explore (``split_k``, and ``prequantize`` for fp8/int8; see :mod:`.tuning_problems`),
+   seeded with the config the backend runs today; the searches share the key's time budget;
+2. runs each search's winner, and today's config, end to end through the family's wrapper (split-K
+   finishing pass and config adaptation included) against the reference and drops any beyond the
+   tolerance (the autotuner only compares candidates with its seed, and may return one it never ran
+   when the budget ends first);
 3. times the survivors and the fallback (``torch.compile`` default of the unfused computation) under
    CUDA-graph replay, rotating weight copies so that the weight streams from HBM as in a model;
 4. writes the fastest, its time, the fallback's and whether Helion won, to the user table
-   ``<cache_dir>/configs/<gpu>.json`` (the shipped table's format) before the next key starts.
+   ``<cache_dir>/configs/<gpu>.json`` or ``--table`` (the shipped table's format) before the next key starts.
 
-Keys already in the user table are skipped unless ``--force``, so an interrupted run resumes where it
-stopped. Like the shipped table, the user table is keyed by shape, not by epilogue: where sites of one
-shape differ in epilogue, the longest epilogue is tuned.
+Keys already in the table are skipped unless ``--force``, so an interrupted run resumes where it
+stopped. Like the shipped table, the table is keyed by shape, not by prologue or epilogue: where sites of
+one shape differ, the one with the fused RMSNorm, then the longest epilogue, is tuned.
 
-The tuner, the timer and the kernel are parameters of :func:`tune_key`, and the per-key work is a
+The tuner, the timer and the problem are parameters of :func:`tune_key`, and the per-key work is a
 parameter of :func:`tune_all`, so the loop and the selection are tested without a GPU.
 """
 
@@ -45,65 +47,43 @@ import helion
 import torch
 from torch.utils._pytree import tree_leaves
 
-from . import dispatch
-from .epilogue import apply_epilogue, num_scalars, operand_kinds
 from .jsonfile import write_json_atomic
-from .kernels import configs, gemm
-from .kernels.gemm import gemm_epilogue_helion, gemm_kernel
+from .kernels import configs
 from .manifest import ManifestError, ManifestSite, read_manifest
 from .options import BackendOptions
-from .timing import Step, TimingConfig, copies_to_defeat_l2, relative_error, run_metadata, time_callable_us
-from .vocabulary import DEFAULT_KERNEL_FAMILY, SUPPORTED_DTYPES, Operand
+from .timing import Step, TimingConfig, relative_error, run_metadata, time_callable_us
+from .tuning_problems import TOLERANCE, Output, Problem, Search, TuneError, TuneKey, build_problem
+from .vocabulary import DEFAULT_KERNEL_FAMILY
 
 log = logging.getLogger(__name__)
 
 EFFORTS = ("quick", "full")  # Helion's autotune_effort presets that search ("none" does not)
 DEFAULT_NUM_TOKENS = (1, 2, 4, 8, 16, 24, 32)
 DEFAULT_BUDGET_S = 300
-# Largest relative Frobenius error against float64 for a config to count: bf16 rounding of the output
-# alone is about 3e-3.
-TOLERANCE = 1e-2
 # The sweep of the shipped table times with it too, so that user and shipped entries compare.
 TIMING = TimingConfig(warmup_calls=2, calls_per_graph=20, warmup_replays=3, replays=15)
 
 TableKey = tuple[str, str, int, int, int]  # (kernel, dtype, K, N, M): what a table entry is keyed by
+__all__ = ["TuneError", "TuneKey"]  # re-exported from .tuning_problems, where the problems use them
 
 
-class TuneError(Exception):
-    """What stops the command (exit status 2) or fails one key, said for the user."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TuneKey:
-    """One shape and token count to tune, with the epilogue it is tuned under."""
-
-    kernel: str
-    epilogue: tuple[str, ...]
-    dtype: str
-    k: int
-    n: int
-    m: int
-
-    @property
-    def table_key(self) -> TableKey:
-        return (self.kernel, self.dtype, self.k, self.n, self.m)
-
-    def __str__(self) -> str:
-        return f"{self.dtype} K={self.k} N={self.n} M={self.m} [{','.join(self.epilogue) or 'no epilogue'}]"
+def _rank(key: TuneKey) -> tuple[int, int]:
+    """Which of a shape's sites to tune: a fused norm changes the kernel more than a longer epilogue."""
+    return (len(key.prologue), len(key.epilogue))
 
 
 def expand_keys(sites: Sequence[ManifestSite], num_tokens: Sequence[int]) -> list[TuneKey]:
     """The keys of a manifest: static Ms, and ``num_tokens`` up to the limit of each dynamic site; one key
-    per table key (the longest epilogue of a shape wins), sorted."""
+    per table key (of a shape's sites, the one with a prologue, then the longest epilogue), sorted."""
     keys: dict[TableKey, TuneKey] = {}
     for site in sites:
         ms = set(site.static_m)
         if site.dynamic_m_limit is not None:
             ms.update(m for m in num_tokens if m <= site.dynamic_m_limit)
         for m in ms:
-            key = TuneKey(site.kernel, site.epilogue, site.dtype, site.k, site.n, m)
+            key = TuneKey(site.kernel, site.epilogue, site.dtype, site.k, site.n, m, site.widths, site.prologue)
             known = keys.get(key.table_key)
-            if known is None or len(key.epilogue) > len(known.epilogue):
+            if known is None or _rank(key) > _rank(known):
                 keys[key.table_key] = key
     return [keys[table_key] for table_key in sorted(keys)]
 
@@ -136,7 +116,7 @@ class ConfigTable:
             entries = {_entry_key(e): e for e in data["entries"]}
             commands = list(data.get("metadata", {}).get("commands", []))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise TuneError(f"cannot read the user config table {path} ({e}); move it away or fix it") from e
+            raise TuneError(f"cannot read the config table {path} ({e}); move it away or fix it") from e
         if commands[-1:] != [command]:
             commands.append(command)
         return cls(path, entries, commands)
@@ -163,106 +143,48 @@ def table_metadata(device: torch.device) -> dict[str, Any]:
 # One key
 
 
-@dataclasses.dataclass(frozen=True)
-class GemmInputs:
-    """Random operands of one key in ``copies`` sets, rotated by call number so that each call reads a
-    weight that is not in the L2 (see :func:`~helion_backend.timing.copies_to_defeat_l2`)."""
-
-    steps: tuple[str, ...]
-    xs: list[torch.Tensor]
-    weights: list[torch.Tensor]  # nn.Linear layout [N, K]; the kernels read ``weight.t()``
-    operands: list[list[torch.Tensor]]
-    scalars: list[float]
-    out_dtype: torch.dtype
-
-    def args(self, i: int) -> tuple[Any, ...]:
-        """``(x, w_kn, steps, operands, scalars, out_dtype)`` of copy ``i``, as the fused op passes them."""
-        j = i % len(self.xs)
-        return (self.xs[j], self.weights[j].t(), self.steps, self.operands[j], self.scalars, self.out_dtype)
-
-
-def make_inputs(key: TuneKey, device: torch.device, copies: int = 1, seed: int = 0) -> GemmInputs:
-    """Fresh random inputs for ``key``; the weight is scaled by 1/sqrt(K) so the accumulator is O(1),
-    where the activations are neither linear nor saturated. The output keeps the input dtype."""
-    dtype = SUPPORTED_DTYPES[key.dtype]
-    gen = torch.Generator(device=device).manual_seed(seed)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
-
-    shapes = {Operand.ROW: (key.n,), Operand.COL: (key.m, 1), Operand.ELEMENT: (1,), Operand.FULL: (key.m, key.n)}
-    kinds = operand_kinds(key.epilogue)
-
-    def operands() -> list[torch.Tensor]:  # as the fused op receives them, flattened as the kernels read them
-        return dispatch.flatten_operands([randn(*shapes[kind]) for kind in kinds], key.epilogue, key.n)
-
-    return GemmInputs(
-        steps=key.epilogue,
-        xs=[randn(key.m, key.k) for _ in range(copies)],
-        weights=[randn(key.n, key.k) * key.k**-0.5 for _ in range(copies)],
-        operands=[operands() for _ in range(copies)],
-        scalars=[0.5] * num_scalars(key.epilogue),
-        out_dtype=dtype,
-    )
-
-
-def reference_f64(inputs: GemmInputs) -> torch.Tensor:
-    """The exact result of copy 0, in float64."""
-    x, w_kn, steps, operands, scalars, _ = inputs.args(0)
-    operands = [op.double() for op in operands]
-    return apply_epilogue(x.double() @ w_kn.double(), steps, operands.__getitem__, scalars)
-
-
 class Tuner(Protocol):
-    def __call__(self, inputs: GemmInputs, split_k: int, effort: str, budget_s: int | None) -> helion.Config:
-        """The best config found for copy 0 of ``inputs`` with ``split_k`` fixed, within ``budget_s``."""
+    def __call__(self, search: Search, effort: str, budget_s: int | None) -> helion.Config:
+        """The best config found for ``search`` within ``budget_s``, in the searched kernel's layout."""
         ...
 
 
 Timer = Callable[[Step], float]  # microseconds of one call of ``step``
-KernelFn = Callable[..., torch.Tensor]  # gemm_epilogue_helion's signature
-
-
-def gemm_kernel_args(inputs: GemmInputs, split_k: int) -> tuple[Any, ...]:
-    """``gemm_kernel``'s arguments for copy 0 at this split, as :func:`gemm_epilogue_helion` passes them."""
-    x, w_kn, steps, operands, scalars, out_dtype = inputs.args(0)
-    out = torch.empty((x.shape[0], w_kn.shape[1]), dtype=out_dtype, device=x.device)
-    return gemm.gemm_kernel_args(x, w_kn, out, list(operands), list(scalars), gemm.tile_epilogue(steps), split_k)
 
 
 def assert_tensors_close(actual: object, expected: object) -> None:
-    """Helion's accuracy check (its default tolerances) on the tensors alone: ``gemm_kernel``'s arguments
-    also hold the epilogue callable, which ``torch.testing.assert_close`` refuses to compare."""
+    """Helion's accuracy check (its default tolerances) on the tensors alone: the kernels' arguments also
+    hold epilogue callables, which ``torch.testing.assert_close`` refuses to compare. One-byte tensors (the
+    quantized kernels' fp8/int8 inputs, which no kernel writes) must match bitwise: ``assert_close`` takes
+    no tolerance for fp8."""
     actual_tensors = [t for t in tree_leaves(actual) if isinstance(t, torch.Tensor)]
     expected_tensors = [t for t in tree_leaves(expected) if isinstance(t, torch.Tensor)]
     assert len(actual_tensors) == len(expected_tensors), (len(actual_tensors), len(expected_tensors))
     for a, e in zip(actual_tensors, expected_tensors):
-        torch.testing.assert_close(a, e, atol=1e-2, rtol=1e-2)
+        tolerance = 0 if a.element_size() == 1 else 1e-2
+        torch.testing.assert_close(a, e, atol=tolerance, rtol=tolerance)
 
 
-def helion_autotune(inputs: GemmInputs, split_k: int, effort: str, budget_s: int | None) -> helion.Config:
-    """Helion's autotuner (``BoundKernel.autotune``) on ``gemm_kernel``, ``split_k`` fixed by an override.
+def helion_autotune(search: Search, effort: str, budget_s: int | None) -> helion.Config:
+    """Helion's autotuner (``BoundKernel.autotune``) on the GEMM launch of ``search``'s seed, its fixed
+    Helion tunables held by overrides.
 
-    The search starts from the config the backend runs today, at this split (a seed, so a short budget
-    still explores around a good point), and checks candidates against it: Helion's own baseline, its
-    default config with ``split_k`` 1, writes another layout than a split candidate. The kernel is a copy
-    of ``gemm_kernel`` with tuning settings, leaving the production one untouched.
+    The seed is the config the backend runs today at the search's fixed keys (so a short budget still
+    explores around a good point), and candidates are checked against it: Helion's own baseline, its
+    default config, may write another layout (a split candidate's workspace). The kernel is a copy with
+    tuning settings, leaving the production one untouched.
     """
-    args = gemm_kernel_args(inputs, split_k)
-    x, w_kn = args[0], args[1]
-    (m, k), n = x.shape, w_kn.shape[1]
-    current = configs.config_for(m, k, n, x.dtype, x.device)
-    start = helion.Config(**{**dict(current), "split_k": split_k})
+    kernel, args, start = search.launch()
     settings = dataclasses.replace(
-        gemm_kernel.settings,
+        kernel.settings,
         autotune_effort=effort,
         autotune_budget_seconds=budget_s,
-        autotune_config_overrides={"split_k": split_k},
+        autotune_config_overrides=search.overrides,
         autotune_seed_configs=[start],
-        autotune_baseline_fn=gemm_kernel.bind(args).compile_config(start),
+        autotune_baseline_fn=kernel.bind(args).compile_config(start),
         autotune_baseline_accuracy_check_fn=assert_tensors_close,
     )
-    tuning_kernel = helion.Kernel(gemm_kernel.fn, settings=settings)
+    tuning_kernel = helion.Kernel(kernel.fn, settings=settings)
     return tuning_kernel.bind(args).autotune(args, force=True)
 
 
@@ -270,20 +192,20 @@ def helion_autotune(inputs: GemmInputs, split_k: int, effort: str, budget_s: int
 class Measured:
     config: helion.Config
     us: float
-    error: float  # relative error against float64
+    error: float  # relative error against the reference
 
 
 def fastest_valid(
     candidates: Sequence[helion.Config],
-    run: Callable[[helion.Config, int], torch.Tensor],
-    reference: torch.Tensor,
+    run: Callable[[helion.Config, int], Output],
+    reference: Output,
     timer: Timer,
     tolerance: float = TOLERANCE,
 ) -> Measured | None:
     """The fastest of ``candidates`` whose result (``run(config, 0)``) is within ``tolerance`` of
     ``reference``; each is timed as ``timer(lambda i: run(config, i))``, in the given order."""
     measured = []
-    for config in dict.fromkeys(candidates):  # the searches of two splits may agree
+    for config in dict.fromkeys(candidates):  # two searches may agree
         try:
             error = relative_error(run(config, 0), reference)
         except Exception as e:  # a config that fails to compile or launch end to end is no candidate
@@ -297,14 +219,27 @@ def fastest_valid(
     return min(measured, key=lambda m: m.us, default=None)
 
 
-def compiled_fallback(inputs: GemmInputs) -> Step:
-    """What the site runs without Helion: ``torch.compile`` default of the unfused computation (cuBLAS,
-    then Inductor's fused epilogue), as :func:`~helion_backend.dispatch.reference` defines it."""
-    # Dynamo caches compiled code per code object and stops compiling after a few shapes; start afresh
-    # for every key so the fallback of the tenth shape is compiled too.
-    torch._dynamo.reset()
-    compiled = torch.compile(dispatch.reference, dynamic=False)
-    return lambda i: compiled(*inputs.args(i))
+def table_entry(key: TuneKey, problem: Problem, best: Measured, candidates: int, timer: Timer) -> dict[str, Any]:
+    """The table entry of ``key``: its fields, the fastest config, its time and error, the time of the
+    fallback and of the problem's other timings (the sweep's entries and the tuner's share this)."""
+    fields = {"kernel": key.kernel} if key.kernel != DEFAULT_KERNEL_FAMILY else {}
+    fields.update(dtype=key.dtype, k=key.k, n=key.n, m=key.m)
+    if key.widths:
+        fields["widths"] = list(key.widths)
+    if key.prologue:
+        fields["prologue"] = list(key.prologue)
+    fallback_us = timer(problem.fallback())
+    return {
+        **fields,
+        "config": dict(best.config),
+        "us": round(best.us, 2),
+        "fallback_us": round(fallback_us, 2),
+        "helion_wins": best.us < fallback_us,
+        **{name: round(timer(step), 2) for name, step in problem.extra_timings.items()},
+        "epilogue": list(problem.epilogue),
+        "error": float(f"{best.error:.2e}"),
+        "candidates": candidates,
+    }
 
 
 def tune_key(
@@ -315,52 +250,32 @@ def tune_key(
     budget_s: int | None,
     tuner: Tuner = helion_autotune,
     timer: Timer | None = None,
-    kernel: KernelFn = gemm_epilogue_helion,
+    problem_of: Callable[[TuneKey, torch.device], Problem] = build_problem,
     clock: Callable[[], float] = time.monotonic,
 ) -> dict[str, Any]:
     """Tune one key (see the module docstring) and return its table entry; raises ``TuneError`` when no
-    split yields a valid config. ``timer`` defaults to CUDA-graph replay on ``device``."""
-    if key.kernel != DEFAULT_KERNEL_FAMILY:
-        raise TuneError(f"the tune command autotunes the {DEFAULT_KERNEL_FAMILY} family only; {key.kernel} keys "
-                        "keep the shipped or default configs (benchmarks/sweep_gemm_configs.py --kernel sweeps the "
-                        "other families)")
+    search yields a valid config or the key's problem cannot be rebuilt. ``timer`` defaults to CUDA-graph
+    replay on ``device``."""
     start = clock()
     timer = timer or functools.partial(time_callable_us, config=TIMING, device=device)
-    itemsize = SUPPORTED_DTYPES[key.dtype].itemsize
-    inputs = make_inputs(key, device, copies=copies_to_defeat_l2(key.k * key.n * itemsize, device))
-    splits = configs.split_k_choices(key.k)
-    share = None if budget_s is None else max(1, budget_s // len(splits))
+    problem = problem_of(key, device)
+    searches = problem.searches()
+    share = None if budget_s is None else max(1, budget_s // len(searches))
     candidates: list[helion.Config] = []
     failures: list[str] = []
-    for split_k in splits:
+    for search in searches:
         try:
-            candidates.append(tuner(inputs, split_k, effort, share))
-        except Exception as e:  # a split Helion cannot tune must not cost the others
-            failures.append(f"split_k={split_k}: {type(e).__name__}: {e}")
-            log.warning("helion_inductor tune: %s: autotuning at split_k=%d failed (%s)", key, split_k, e)
-    # The config the backend runs today (shipped table, else the hand-picked default) competes too, so a
-    # short budget never leaves a key slower than it was.
-    candidates.append(configs.config_for(key.m, key.k, key.n, SUPPORTED_DTYPES[key.dtype], device))
-
-    def run(config: helion.Config, i: int) -> torch.Tensor:
-        return kernel(*inputs.args(i), config=config)
-
-    best = fastest_valid(candidates, run, reference_f64(inputs), timer)
+            candidates.append(problem.table_config(tuner(search, effort, share), search))
+        except Exception as e:  # a search Helion cannot run must not cost the others
+            failures.append(f"{search}: {type(e).__name__}: {e}")
+            log.warning("helion_inductor tune: %s: autotuning at %s failed (%s)", key, search, e)
+    # Today's config competes too, so a short budget never leaves a key slower than it was.
+    candidates.append(problem.current)
+    best = fastest_valid(candidates, problem.run, problem.reference, timer, problem.tolerance)
     if best is None:
         raise TuneError(f"no valid config among {len(candidates)} ({'; '.join(failures) or 'all off'})")
-    fallback_us = timer(compiled_fallback(inputs))
-    return {
-        "dtype": key.dtype, "k": key.k, "n": key.n, "m": key.m,
-        "config": dict(best.config),
-        "us": round(best.us, 2),
-        "fallback_us": round(fallback_us, 2),
-        "helion_wins": best.us < fallback_us,
-        "epilogue": list(key.epilogue),
-        "error": float(f"{best.error:.2e}"),
-        "candidates": len(set(candidates)),
-        "effort": effort,
-        "seconds": round(clock() - start, 1),
-    }
+    entry = table_entry(key, problem, best, len(set(candidates)), timer)
+    return {**entry, "effort": effort, "seconds": round(clock() - start, 1)}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -440,14 +355,16 @@ def tune_all(
 # Command line
 
 DESCRIPTION = """\
-Autotune the Helion GEMM kernels of the sites listed in a compile manifest, for each token count (M),
-and save the best config per key to the user's config table, which later compiles use.
+Autotune the Helion kernels of the sites listed in a compile manifest, for each token count (M), and
+save the best config per key to the user's config table, which later compiles use.
 
 Compiles with backend="helion_inductor" on CUDA record the sites they send to Helion in
-<cache_dir>/manifest.json. For every (dtype, K, N, M) of it (static M as compiled; dynamic M for each
---num-tokens value up to the site's Helion limit) this runs Helion's autotuner, checks the result
-against float64, times it and torch.compile's fallback under CUDA-graph replay, and writes the entry to
-<cache_dir>/configs/<gpu>.json right away. Keys already there are skipped, so a stopped run resumes.
+<cache_dir>/manifest.json. For every (kernel family, dtype, K, N, M) of it (static M as compiled; dynamic
+M for each --num-tokens value up to the site's Helion limit) this runs Helion's autotuner on the
+family's kernel (gemm, gemm_glu, gemm_multi, gemm_fp8, gemm_int8, gemm_weight_only, gemm_int4,
+gemm_fp8_block), checks the result against a reference, times it and torch.compile's fallback under
+CUDA-graph replay, and writes the entry to <cache_dir>/configs/<gpu>.json (or --table) right away. Keys
+already there are skipped, so a stopped run resumes.
 """
 
 EPILOG = ("exit status: 0 done, 1 some keys failed (see the log), 2 usage error or no CUDA device, "
@@ -487,22 +404,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-per-key", type=_positive_int, default=DEFAULT_BUDGET_S, metavar="SECONDS",
                         help="autotuning time per key, shared by its split-K searches; validation and timing "
                              f"add a little (default: {DEFAULT_BUDGET_S})")
-    parser.add_argument("--force", action="store_true", help="retune keys already in the user table")
-    parser.add_argument("--cache-dir", type=Path,
-                        help="write the table to CACHE_DIR/configs/ (default: the manifest's folder)")
+    parser.add_argument("--force", action="store_true", help="retune keys already in the table")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--cache-dir", type=Path,
+                       help="write the table to CACHE_DIR/configs/<gpu>.json (default: the manifest's folder)")
+    where.add_argument("--table", type=Path, metavar="PATH",
+                       help="write the entries to this table file instead (e.g. the shipped "
+                            "helion_backend/kernels/tuned/<gpu>.json), in the same format")
 
 
-def _writable_table(cache_dir: Path, device: torch.device) -> Path:
-    """The user table of ``device`` under ``cache_dir``, whose folder is created and checked now rather
-    than after the first key's minutes of tuning."""
-    config_dir = Path(BackendOptions(cache_dir=str(cache_dir)).config_dir)
+def _writable_table(path: Path) -> Path:
+    """``path``, whose folder is created and checked now rather than after the first key's minutes of tuning."""
+    if path.is_dir():
+        raise TuneError(f"the config table {path} is a folder; name a file such as {path / 'nvidia_h200.json'}")
     try:
-        config_dir.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise TuneError(f"cannot create the user config folder {config_dir} ({e})") from e
-    if not os.access(config_dir, os.W_OK):
-        raise TuneError(f"cannot write the user config table in {config_dir} (no write permission)")
-    return config_dir / f"{configs.gpu_key(device)}.json"
+        raise TuneError(f"cannot create the folder of the config table {path} ({e})") from e
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise TuneError(f"cannot write the config table {path} (no write permission)")
+    return path
+
+
+def table_path(args: argparse.Namespace, device: torch.device) -> Path:
+    """``--table``, else the user table of ``device`` under ``--cache-dir`` (default: the manifest's folder)."""
+    if args.table is not None:
+        return _writable_table(args.table)
+    config_dir = Path(BackendOptions(cache_dir=str(args.cache_dir or args.manifest.parent)).config_dir)
+    return _writable_table(config_dir / f"{configs.gpu_key(device)}.json")
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -526,7 +455,7 @@ def _tune(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise TuneError("no CUDA device: tuning runs the kernels on the GPU whose table it writes")
     device = torch.device("cuda", torch.cuda.current_device())
-    path = _writable_table(args.cache_dir or args.manifest.parent, device)
+    path = table_path(args, device)
     table = ConfigTable.load(path, shlex.join(sys.orig_argv))
     print(f"{len(keys)} key(s) from {args.manifest} -> {path} (effort {args.effort}, "
           f"{args.budget_per_key}s per key)", file=sys.stderr)

@@ -8,7 +8,7 @@ import torch
 from helion_backend import jsonfile
 from helion_backend.manifest import ManifestError, ManifestSite, merge_sites, read_manifest, record_sites
 from helion_backend.options import BackendOptions
-from helion_backend.passes import placement
+from helion_backend.passes import placement, shared_input
 
 GELU = ("bias", "gelu_tanh")
 
@@ -32,6 +32,33 @@ def test_sites_differing_in_epilogue_or_shape_stay_apart():
     assert len(merged) == 4
 
 
+def test_prologue_and_widths_round_trip_and_keep_sites_apart(tmp_path):
+    normed = ManifestSite.declared("gemm", (), "bfloat16", 4096, 1024, m=1, helion_limit=32, prologue=["rmsnorm"])
+    qkv = ManifestSite.declared("gemm_multi", (), "bfloat16", 4096, 6144, m=1, helion_limit=32,
+                                prologue=["rmsnorm"], widths=[4096, 1024, 1024])
+    other_split = ManifestSite.declared("gemm_multi", (), "bfloat16", 4096, 6144, m=1, helion_limit=32,
+                                        prologue=["rmsnorm"], widths=[2048, 2048, 2048])
+    sites = [site(m=1, n=1024), normed, qkv, other_split]
+    assert len(merge_sites(sites)) == 4
+    path = tmp_path / "manifest.json"
+    record_sites(path, sites)
+    assert read_manifest(path) == merge_sites(sites)
+    assert {"prologue": ["rmsnorm"], "widths": [4096, 1024, 1024]}.items() <= qkv.to_json().items()
+    assert "widths" not in normed.to_json()
+
+
+def test_a_manifest_without_prologue_or_widths_still_reads(tmp_path):
+    """Written before the fields existed: sites without a prologue, and a shared launch without its widths."""
+    path = tmp_path / "manifest.json"
+    path.write_text(json.dumps({"version": 1, "sites": [
+        {"kernel": "gemm", "epilogue": ["bias"], "dtype": "bfloat16", "k": 64, "n": 32, "m": [4],
+         "dynamic_m_limit": None},
+        {"kernel": "gemm_multi", "epilogue": [], "dtype": "bfloat16", "k": 64, "n": 96, "m": [], "dynamic_m_limit": 8},
+    ]}))
+    assert read_manifest(path) == [ManifestSite("gemm", ("bias",), "bfloat16", 64, 32, frozenset({4})),
+                                   ManifestSite("gemm_multi", (), "bfloat16", 64, 96, dynamic_m_limit=8)]
+
+
 def test_record_writes_then_merges_with_the_existing_file(tmp_path):
     path = tmp_path / "cache" / "manifest.json"
     record_sites(path, [site(m=1)])
@@ -39,10 +66,10 @@ def test_record_writes_then_merges_with_the_existing_file(tmp_path):
     data = json.loads(path.read_text())
     assert data["version"] == 1
     assert data["sites"] == [
-        {"kernel": "gemm", "epilogue": ["bias"], "dtype": "bfloat16", "k": 4096, "n": 12288, "m": [1],
-         "dynamic_m_limit": None},
-        {"kernel": "gemm", "epilogue": ["bias", "gelu_tanh"], "dtype": "bfloat16", "k": 4096, "n": 12288,
-         "m": [1, 8], "dynamic_m_limit": 16},
+        {"kernel": "gemm", "prologue": [], "epilogue": ["bias"], "dtype": "bfloat16", "k": 4096, "n": 12288,
+         "m": [1], "dynamic_m_limit": None},
+        {"kernel": "gemm", "prologue": [], "epilogue": ["bias", "gelu_tanh"], "dtype": "bfloat16", "k": 4096,
+         "n": 12288, "m": [1, 8], "dynamic_m_limit": 16},
     ]
     assert read_manifest(path) == merge_sites([site(m=1), site(m=8), site(m=None, limit=16), site(m=1, epilogue=("bias",))])
 
@@ -105,6 +132,12 @@ def test_a_failed_write_keeps_the_old_manifest_and_leaves_no_temp_file(tmp_path,
          '"n": 8, "m": [0]}]}', "site #0: 'm' must be an integer >= 1"),
         ('{"version": 1, "sites": [{"kernel": "gemm", "epilogue": [], "dtype": ["bfloat16"], "k": 8, '
          '"n": 8, "m": [1]}]}', "site #0: unknown dtype"),
+        ('{"version": 1, "sites": [{"kernel": "gemm", "prologue": ["rms"], "epilogue": [], "dtype": "bfloat16", '
+         '"k": 8, "n": 8, "m": [1]}]}', "site #0: 'prologue' must list steps"),
+        ('{"version": 1, "sites": [{"kernel": "gemm_multi", "epilogue": [], "dtype": "bfloat16", "k": 8, '
+         '"n": 8, "widths": [4, 2], "m": [1]}]}', "site #0: 'widths' must be 2 to 3 output widths summing to n=8"),
+        ('{"version": 1, "sites": [{"kernel": "gemm", "epilogue": [], "dtype": "bfloat16", "k": 8, '
+         '"n": 8, "widths": [4, 4], "m": [1]}]}', "site #0: 'widths' belong to gemm_multi sites only"),
     ],
 )
 def test_read_errors_name_the_file_and_the_problem(tmp_path, text, message):
@@ -145,6 +178,7 @@ def sites_placed_on_helion(monkeypatch):
         return "helion", None, place(site, ctx, kernel, n)[2]  # with the site's Helion limit
 
     monkeypatch.setattr(placement, "place", on_helion)
+    monkeypatch.setattr(shared_input, "place", on_helion)  # a shared launch is placed as one
 
 
 def test_compile_records_its_helion_sites(tmp_path, sites_placed_on_helion):
@@ -156,3 +190,15 @@ def test_compile_records_its_helion_sites(tmp_path, sites_placed_on_helion):
     assert read_manifest(tmp_path / "manifest.json") == [
         ManifestSite("gemm", ("bias", "gelu"), "float32", 64, 32, static_m=frozenset({4}), dynamic_m_limit=16)
     ]
+
+
+def test_compile_records_a_shared_launch_with_its_widths_and_norm(tmp_path, sites_placed_on_helion):
+    from test_shared_input import QKV
+
+    options = {"rewrite_on_cpu": True, "cache_dir": str(tmp_path), "inductor_config": {"fx_graph_cache": False}}
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(QKV(), backend="helion_inductor", options=options)(torch.randn(4, 64))
+    (launch,) = read_manifest(tmp_path / "manifest.json")
+    assert (launch.kernel, launch.n, launch.widths, launch.prologue, launch.epilogue) == (
+        "gemm_multi", 96, (64, 16, 16), ("rmsnorm",), ("relu",))

@@ -13,9 +13,10 @@ if str(ROOT) not in sys.path:  # `pytest` (unlike `python -m pytest`) does not p
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import sweep_gemm_configs as sweep  # noqa: E402
-from helion_backend import dispatch  # noqa: E402
+from helion_backend import dispatch, tuning_problems  # noqa: E402
 from helion_backend.kernels.gemm import glu_kernel_config  # noqa: E402
 from helion_backend.timing import TimingConfig  # noqa: E402
+from helion_backend.tuning import TuneKey  # noqa: E402
 
 
 def test_gated_family_is_a_choice_and_sweeps_the_gate_up_shapes(capsys):
@@ -23,7 +24,16 @@ def test_gated_family_is_a_choice_and_sweeps_the_gate_up_shapes(capsys):
         sweep.main(["--kernel", "gemm_glu", "--m", "1,8,32", "--help"])
     assert stopped.value.code == 0 and "gemm_glu" in capsys.readouterr().out
     assert sweep.GLU_SHAPES == {(4096, 12288), (5120, 25600)}
-    assert sweep.sweep_glu_key(4096, 4096, 1, torch.device("cpu")) is None  # q/o: not swept
+    keys = sweep.sweep_keys("gemm_glu", ["qwen3_8b"], [1])
+    assert [(k.k, k.n, k.epilogue) for k in keys] == [(4096, 12288, ("silu", "up_mul"))]
+
+
+def test_keys_of_each_family_are_what_a_compile_records():
+    (multi,) = sweep.sweep_keys("gemm_multi", ["qwen3_8b"], [8])
+    assert (multi.widths, multi.n, multi.prologue) == ((4096, 1024, 1024), 6144, ("rmsnorm",))
+    fp8 = sweep.sweep_keys("gemm_fp8", ["qwen3_8b"], [1])[0]
+    assert (fp8.dtype, fp8.prologue, fp8.epilogue) == (
+        "float8_e4m3fn", ("quant_fp8_per_token",), ("act_scale", "channel_scale", "bias", "gelu_tanh"))
 
 
 @pytest.mark.parametrize("m", [1, 32])
@@ -36,14 +46,15 @@ def test_gated_candidates_are_the_configs_the_kernel_runs(m):
 def test_gated_key_checks_times_and_records_an_entry(monkeypatch):
     configs = []
 
-    def reference_kernel(x, w_kn, up_kn, steps, operands, scalars, out_dtype, config):
+    def reference_kernel(family, x, w_kn, steps, operands, scalars, out_dtype, config_dir, program, up_kn, *,
+                         weight_scale, norm, config):
         configs.append(config)
-        return dispatch.reference(x, w_kn, steps, operands, scalars, out_dtype, None, up_kn)
+        return dispatch.unfused(x, w_kn, steps, operands, scalars, out_dtype, program, up_kn, weight_scale, norm)
 
-    monkeypatch.setattr(sweep, "glu_gemm_helion", reference_kernel)
-    monkeypatch.setattr(sweep, "GLU_SHAPES", {(64, 48)})
+    monkeypatch.setattr(tuning_problems, "run_kernel", reference_kernel)
     monkeypatch.setattr(sweep, "TIMING", TimingConfig(warmup_calls=1, calls_per_graph=1, warmup_replays=0, replays=1))
-    entry = sweep.sweep_glu_key(64, 48, 3, torch.device("cpu"))
+    key = TuneKey("gemm_glu", sweep.GLU_STEPS, "bfloat16", 64, 48, 3)
+    entry = sweep.sweep_key(key, torch.device("cpu"))
     assert entry is not None, "every candidate was off the float64 reference"
     assert {key: entry[key] for key in ("kernel", "dtype", "k", "n", "m", "epilogue")} == {
         "kernel": "gemm_glu", "dtype": "bfloat16", "k": 64, "n": 48, "m": 3, "epilogue": ["silu", "up_mul"]}

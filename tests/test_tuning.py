@@ -1,6 +1,8 @@
 """``python -m helion_backend tune``: arguments, manifest errors, the key loop (resumable, one line per key
-with an ETA) and the per-key selection, on the CPU with injected tuners and timers; one GPU run end to end."""
+with an ETA) and the per-key searches and selection of every kernel family, on the CPU with injected tuners
+and timers and the kernels replaced by the reference; on a GPU, one small key per family end to end."""
 
+import functools
 import io
 import json
 import math
@@ -10,11 +12,13 @@ import pytest
 import torch
 
 import benchmarks.common
-from helion_backend import dispatch, timing, tuning
+from helion_backend import dispatch, timing, tuning, tuning_problems
 from helion_backend.__main__ import main
 from helion_backend.kernels import configs
+from helion_backend.kernels.gemm import norm_kernel_config
 from helion_backend.manifest import ManifestSite
 from helion_backend.tuning import ConfigTable, TuneError, TuneKey
+from helion_backend.tuning_problems import QUANT_FORMAT_OF, build_problem, quantized_site
 
 CUDA = torch.device("cuda")  # a device object only, except in the GPU test
 
@@ -72,7 +76,8 @@ def test_help_explains_the_command(capsys):
         main(["tune", "--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for words in ("manifest.json", "configs/<gpu>.json", "--num-tokens", "--budget-per-key", "--force", "exit status"):
+    for words in ("manifest.json", "configs/<gpu>.json", "--num-tokens", "--budget-per-key", "--force", "--table",
+                  "gemm_multi", "gemm_fp8_block", "exit status"):
         assert words in out
 
 
@@ -119,6 +124,22 @@ def test_one_key_per_shape_tuned_with_the_longest_epilogue():
     sites = [ManifestSite("gemm", epilogue, "bfloat16", 4096, 1024, frozenset({1}))
              for epilogue in [("bias",), ("bias", "gelu_tanh", "residual"), ("bias", "silu")]]
     assert tuning.expand_keys(sites, num_tokens=()) == [key(1, n=1024, epilogue=("bias", "gelu_tanh", "residual"))]
+
+
+def test_a_fused_norm_outranks_a_longer_epilogue_and_widths_are_kept():
+    sites = [
+        ManifestSite("gemm", ("bias", "gelu_tanh"), "bfloat16", 4096, 1024, frozenset({1, 32})),
+        ManifestSite("gemm", (), "bfloat16", 4096, 1024, frozenset({1}), prologue=("rmsnorm",)),
+        ManifestSite("gemm_multi", (), "bfloat16", 4096, 6144, frozenset({1}), prologue=("rmsnorm",),
+                     widths=(4096, 1024, 1024)),
+    ]
+    keys = tuning.expand_keys(sites, num_tokens=())
+    assert [(k.kernel, k.m, k.prologue, k.epilogue, k.widths) for k in keys] == [
+        ("gemm", 1, ("rmsnorm",), (), ()),
+        ("gemm", 32, (), ("bias", "gelu_tanh"), ()),
+        ("gemm_multi", 1, ("rmsnorm",), (), (4096, 1024, 1024)),
+    ]
+    assert str(keys[2]) == "gemm_multi bfloat16 K=4096 N=6144 (4096+1024+1024) M=1 [rmsnorm -> no epilogue]"
 
 
 # --- the loop --------------------------------------------------------------------------------------
@@ -234,10 +255,6 @@ def test_corrupt_user_table_is_not_overwritten(tmp_path):
 # --- one key ---------------------------------------------------------------------------------------
 
 
-def reference_kernel(x, w_kn, steps, operands, scalars, out_dtype, config):
-    return dispatch.reference(x, w_kn, steps, operands, scalars, out_dtype)
-
-
 def test_fastest_valid_drops_wrong_and_failing_configs():
     reference = torch.ones(4, 8, dtype=torch.float64)
     results = {32: reference * 1.001, 64: reference * 1.5, 128: reference * math.nan, 256: None}
@@ -272,21 +289,48 @@ def cpu_table_dir(tmp_path, monkeypatch):
         cache.cache_clear()
 
 
-def test_tune_key_validates_every_split_and_writes_an_entry_the_backend_loads(cpu_table_dir):
-    k = key(4, k=2048, n=64, epilogue=("bias", "residual"))  # K = 2048: split-K 1 and 2 are tried
+@pytest.fixture
+def reference_kernels(monkeypatch):
+    """Every family's kernel replaced by the reference, recording the configs it is run with (a config
+    equal to ``wrong`` computes twice the result)."""
+    ran, wrong = [], []
+
+    def run_kernel(family, x, w_kn, steps, operands, scalars, out_dtype, config_dir=None, program=None, up_kn=None,
+                   weight_scale=None, norm=None, config=None):
+        ran.append(config)
+        out = dispatch.unfused(x, w_kn, steps, operands, scalars, out_dtype, program, up_kn, weight_scale, norm)
+        return out * 2 if config in wrong else out
+
+    def multi_gemm_helion(x, w_kns, steps, operands, scalars, out_dtype, config=None, config_dir=None, norm=None):
+        ran.append(config)
+        return dispatch.unfused_multi(x, w_kns, steps, operands, scalars, out_dtype, norm)
+
+    monkeypatch.setattr(tuning_problems, "run_kernel", run_kernel)
+    monkeypatch.setattr(tuning_problems, "multi_gemm_helion", multi_gemm_helion)
+    return ran, wrong
+
+
+def fixed_times(table: dict[str, float]):
+    """A timer by what it times: ``"current"`` (today's config), ``"tuned"`` (any other config), and the
+    fallback or an extra timing (``"other"``); nothing runs, so nothing compiles."""
+    def timer(step):
+        if isinstance(step, functools.partial):
+            return table["current"] if step.args[0] == timer.current else table["tuned"]
+        return table["other"]
+    return timer
+
+
+def test_tune_key_validates_every_split_and_writes_an_entry_the_backend_loads(cpu_table_dir, reference_kernels):
+    _, wrong = reference_kernels
+    k = key(4, k=2048, n=64, epilogue=("bias", "residual"))  # K = 2048: split-K 1 and 2 are searched
     tuned = {1: config(32, split_k=1), 2: config(64, split_k=2)}
+    wrong.append(tuned[2])
     searched = []
 
-    def tuner(inputs, split_k, effort, budget_s):
-        searched.append((split_k, effort, budget_s))
-        x, w_kn, steps, operands, _, out_dtype = inputs.args(0)
-        assert (x.shape, w_kn.shape, steps, [o.shape for o in operands], out_dtype) == (
-            (4, 2048), (2048, 64), ("bias", "residual"), [(64,), (4, 64)], torch.bfloat16)
-        return tuned[split_k]
-
-    def wrong_for_one_config(x, w_kn, steps, operands, scalars, out_dtype, config):
-        out = dispatch.reference(x, w_kn, steps, operands, scalars, out_dtype)
-        return out * 2 if config == tuned[2] else out
+    def tuner(search, effort, budget_s):
+        searched.append((dict(search.fixed), effort, budget_s))
+        assert search.seed["split_k"] == search.fixed["split_k"] and search.overrides == search.fixed
+        return tuned[search.fixed["split_k"]]
 
     timed = []
 
@@ -294,11 +338,10 @@ def test_tune_key_validates_every_split_and_writes_an_entry_the_backend_loads(cp
         timed.append(step)
         return [3.0, 3.5, 4.5][len(timed) - 1]  # the valid configs in order (tuned, current), then the fallback
 
-    entry = tuning.tune_key(k, torch.device("cpu"), effort="quick", budget_s=61, tuner=tuner, timer=timer,
-                            kernel=wrong_for_one_config)
-    assert searched == [(1, "quick", 30), (2, "quick", 30)]  # the budget is shared by the splits
+    entry = tuning.tune_key(k, torch.device("cpu"), effort="quick", budget_s=61, tuner=tuner, timer=timer)
+    assert searched == [({"split_k": 1}, "quick", 30), ({"split_k": 2}, "quick", 30)]  # the budget is shared
     assert len(timed) == 3
-    assert entry["config"] == dict(tuned[1]) and entry["candidates"] == 3
+    assert entry["config"] == dict(tuned[1]) and entry["candidates"] == 3 and "kernel" not in entry
     assert (entry["us"], entry["fallback_us"], entry["helion_wins"]) == (3.0, 4.5, True)
     assert entry["error"] < 1e-2 and entry["effort"] == "quick" and entry["epilogue"] == ["bias", "residual"]
 
@@ -308,27 +351,105 @@ def test_tune_key_validates_every_split_and_writes_an_entry_the_backend_loads(cp
     assert configs.measured_crossover(2048, 64, torch.bfloat16, CUDA, user_dir) is None  # Helion won
 
 
-def test_tune_key_keeps_todays_config_when_the_search_finds_nothing_better(cpu_table_dir):
-    def tuner(inputs, split_k, effort, budget_s):
-        return config(16, split_k=split_k)
+def test_tune_key_keeps_todays_config_when_the_search_finds_nothing_better(cpu_table_dir, reference_kernels):
+    def tuner(search, effort, budget_s):
+        return config(16, split_k=search.fixed["split_k"])
 
     timings = iter([9.0, 2.0, 2.5])  # the autotuned config, today's, the fallback
     entry = tuning.tune_key(key(4, k=1024, n=64), torch.device("cpu"), effort="full", budget_s=None, tuner=tuner,
-                            timer=lambda step: next(timings), kernel=reference_kernel)
+                            timer=lambda step: next(timings))
     assert entry["config"] == dict(configs.default_config(4, 1024, 64, torch.bfloat16))
     assert (entry["us"], entry["helion_wins"]) == (2.0, True)
 
 
-def test_tune_key_without_a_valid_config_fails_with_the_reasons(cpu_table_dir):
-    def tuner(inputs, split_k, effort, budget_s):
-        raise RuntimeError(f"Helion failed at split {split_k}")
+def test_tune_key_without_a_valid_config_fails_with_the_reasons(cpu_table_dir, monkeypatch):
+    def tuner(search, effort, budget_s):
+        raise RuntimeError(f"Helion failed at {search}")
 
-    def broken(*args, config):
-        return torch.full((1, 64), math.nan)
-
-    with pytest.raises(TuneError, match="no valid config among 1 .split_k=1: RuntimeError: Helion failed at split 1"):
+    monkeypatch.setattr(tuning_problems, "run_kernel", lambda *args, config: torch.full((1, 64), math.nan))
+    with pytest.raises(TuneError, match="no valid config among 1 .split_k=1: RuntimeError: Helion failed at split_k=1"):
         tuning.tune_key(key(1, k=1024, n=64), torch.device("cpu"), effort="quick", budget_s=None, tuner=tuner,
-                        timer=lambda step: 1.0, kernel=broken)
+                        timer=lambda step: 1.0)
+
+
+def family_key(kernel: str) -> TuneKey:
+    """A small key of ``kernel`` as a compile records it (the float ones with their RMSNorm)."""
+    if kernel in QUANT_FORMAT_OF:
+        dtype, prologue, steps = quantized_site(kernel)
+        return TuneKey(kernel, (*steps, "gelu_tanh", "residual"), dtype, 1024, 256, 2, prologue=prologue)
+    widths = (128, 64, 64) if kernel == "gemm_multi" else ()
+    epilogue = {"gemm": ("bias", "gelu_tanh"), "gemm_glu": ("silu", "up_mul"), "gemm_multi": ("relu",)}[kernel]
+    return TuneKey(kernel, epilogue, "bfloat16", 2048, sum(widths) or 128, 3, widths, ("rmsnorm",))
+
+
+FAMILIES = ["gemm", "gemm_glu", "gemm_multi", *QUANT_FORMAT_OF]
+
+
+@pytest.mark.parametrize("kernel", FAMILIES)
+def test_every_family_searches_its_own_keys_and_records_the_table_layout(kernel, cpu_table_dir, reference_kernels):
+    ran, _ = reference_kernels
+    k = family_key(kernel)
+    problem = build_problem(k, torch.device("cpu"))
+    searches = []
+
+    def tuner(search, effort, budget_s):
+        """What Helion would return: a config of the searched kernel, in its own layout."""
+        searches.append(search)
+        found = helion.Config(**{**search.seed, "num_warps": 8})
+        return norm_kernel_config(found) if kernel == "gemm" else found
+
+    timer = fixed_times({"current": 2.0, "tuned": 1.0, "other": 1.5})
+    timer.current = problem.current
+    entry = tuning.tune_key(k, torch.device("cpu"), effort="quick", budget_s=12, tuner=tuner, timer=timer)
+
+    splits = [{"split_k": s} for s in configs.split_k_choices(k.k)]
+    expected = {"gemm_glu": [{}], "gemm_multi": [{}],
+                "gemm_fp8": [{**s, "prequantize": p} for s in splits for p in (False, True)],
+                "gemm_int8": [{**s, "prequantize": p} for s in splits for p in (False, True)]}.get(kernel, splits)
+    assert [dict(s.fixed) for s in searches] == expected
+    best = problem.table_config(tuner(searches[0], "quick", 1), searches[0])
+    assert entry["config"] == dict(best) and entry["config"]["num_warps"] == 8 and best in ran
+    assert (entry["us"], entry["fallback_us"], entry["helion_wins"]) == (1.0, 1.5, True)
+    assert {"kernel": kernel, "dtype": k.dtype, "k": k.k, "n": k.n, "m": k.m, "prologue": list(k.prologue)}.items() \
+        <= {"kernel": "gemm", **entry}.items()
+    if kernel == "gemm":  # the norm kernel's [K, M, N] blocks, back in the table's [M, N, K]
+        assert best == helion.Config(**{**searches[0].seed, "num_warps": 8})
+    if kernel == "gemm_glu":
+        assert "split_k" not in entry["config"] and entry["epilogue"] == ["silu", "up_mul"]
+    if kernel == "gemm_multi":
+        assert entry["widths"] == [128, 64, 64] and entry["separate_us"] == 1.5
+        assert entry["epilogue"] == []  # tuned without its outputs' epilogues
+    else:
+        assert entry["epilogue"] == list(k.epilogue)
+
+    ConfigTable.load(cpu_table_dir / "test_gpu.json", "cmd").put(entry, {})
+    dtype = tuning_problems.RULE_DTYPES[k.dtype]
+    assert configs.config_for(k.m, k.k, k.n, dtype, CUDA, str(cpu_table_dir), kernel) == best
+
+
+@pytest.mark.parametrize("tune_key, message", [
+    (TuneKey("gemm_multi", (), "bfloat16", 256, 384, 1), "gemm_multi site recorded without its outputs' widths"),
+    (TuneKey("gemm_fp8", ("act_scale",), "float8_e4m3fn", 256, 256, 1), "gemm_fp8 site without the "
+     "quant_fp8_per_token prologue"),
+    (TuneKey("gemm_fp8", ("bias",), "float8_e4m3fn", 256, 256, 1, prologue=("quant_fp8_per_token",)),
+     r"the gemm_fp8 layer computes the steps \['act_scale', 'channel_scale', 'bias'\]; the site's epilogue "
+     r"\['bias'\] does not start with them"),
+    (TuneKey("gemm_int4", ("bias",), "int8", 256, 256, 1), "the gemm_int4 layer multiplies bfloat16 inputs, the "
+     "site int8"),
+    (TuneKey("gemm_unknown", (), "bfloat16", 256, 256, 1), "no tuning problem for the kernel family 'gemm_unknown'"),
+])
+def test_keys_that_cannot_be_rebuilt_fail_alone_saying_why(tune_key, message):
+    with pytest.raises(TuneError, match=message):
+        tuning.tune_key(tune_key, torch.device("cpu"), effort="quick", budget_s=1, timer=lambda step: 1.0)
+
+
+def test_helions_accuracy_check_compares_the_kernel_arguments_of_every_family():
+    """Tensors only (the epilogue callables are skipped), with a tolerance, and fp8/int8 inputs bitwise."""
+    w = torch.randn(8, 8).to(torch.float8_e4m3fn)
+    out = torch.randn(4, 8)
+    tuning.assert_tensors_close((w, out, [out], lambda acc: acc), (w.clone(), out + 1e-3, [out], lambda acc: acc))
+    with pytest.raises(AssertionError):
+        tuning.assert_tensors_close((w, out), (w.clone(), out + 1))
 
 
 def test_split_k_choices_keep_each_split_deep():
@@ -341,6 +462,47 @@ def test_benchmarks_share_the_package_timing_helpers():
     for name in ("TimingConfig", "capture_calls", "median_replay_ms", "time_callable_us", "relative_error",
                  "run_metadata"):
         assert getattr(benchmarks.common, name) is getattr(timing, name)
+
+
+# --- --table ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A CUDA device as far as the command's checks go, whose keys tune to a fixed entry."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(configs, "gpu_key", lambda device: "test_gpu")
+    monkeypatch.setattr(tuning, "table_metadata", lambda device: {"device": "test"})
+    monkeypatch.setattr(tuning, "tune_key", lambda key, **kwargs: fake_entry(key))
+
+
+def test_table_option_writes_that_file_with_the_command_history(manifest, tmp_path, fake_gpu, capsys):
+    path = tmp_path / "shipped" / "nvidia_h200.json"
+    ConfigTable.load(path, "python benchmarks/sweep_gemm_configs.py").put(fake_entry(key(1, k=1024, n=256)), {})
+    assert main(["tune", str(manifest), "--table", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert [e["m"] for e in data["entries"]] == [1, 4]
+    assert data["metadata"]["commands"][0] == "python benchmarks/sweep_gemm_configs.py"
+    assert len(data["metadata"]["commands"]) == 2
+    assert not (manifest.parent / "configs").exists()  # not the user table
+    assert f"-> {path}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where, message", [
+    (lambda tmp: tmp / "a_file" / "table.json", "cannot create the folder of the config table"),
+    (lambda tmp: tmp, "is a folder; name a file"),
+])
+def test_an_unusable_table_path_is_refused_before_tuning(manifest, tmp_path, fake_gpu, capsys, where, message):
+    (tmp_path / "a_file").write_text("")
+    assert main(["tune", str(manifest), "--table", str(where(tmp_path))]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_table_and_cache_dir_exclude_each_other(manifest, tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["tune", str(manifest), "--table", str(tmp_path / "t.json"), "--cache-dir", str(tmp_path)])
+    assert info.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
 
 
 # --- on a GPU --------------------------------------------------------------------------------------
@@ -364,9 +526,31 @@ def test_tune_one_small_key_end_to_end(tmp_path, capsys):
     assert "skipped" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("kernel", ["gemm_fp8", "gemm_glu"])
-def test_keys_of_other_kernel_families_are_refused_with_the_reason(kernel):
-    """The tuner drives the bf16 GEMM kernel; a manifest key of another family fails alone, saying so."""
-    key = TuneKey(kernel, ("bias",), "bfloat16", 256, 128, 4)
-    with pytest.raises(TuneError, match=f"autotunes the gemm family only; {kernel} keys keep"):
-        tuning.tune_key(key, torch.device("cpu"), effort="quick", budget_s=1)
+def gpu_family_site(kernel: str) -> ManifestSite:
+    """A small site of ``kernel`` at M = 4, K = 1024, as a compile records it."""
+    k = family_key(kernel)
+    n = 1536 if kernel == "gemm_multi" else 1024
+    widths = (1024, 256, 256) if kernel == "gemm_multi" else ()
+    return ManifestSite.declared(kernel, k.epilogue, k.dtype, 1024, n, m=4, helion_limit=32, prologue=k.prologue,
+                                 widths=widths)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", FAMILIES)
+def test_every_family_tunes_a_small_key_into_the_table_end_to_end(kernel, tmp_path, capsys):
+    """A few seconds of autotuning per family (with --table): the entry is valid and its config runs right."""
+    site = gpu_family_site(kernel)
+    manifest = write_manifest(tmp_path / "manifest.json", [site])
+    path = tmp_path / "table.json"
+    argv = ["tune", str(manifest), "--table", str(path), "--effort", "quick", "--budget-per-key", "3"]
+    assert main(argv) == 0, capsys.readouterr().err
+    (entry,) = json.loads(path.read_text())["entries"]
+    assert (entry.get("kernel", "gemm"), entry["dtype"], entry["k"], entry["n"], entry["m"]) == (
+        kernel, site.dtype, 1024, site.n, 4)
+    assert entry["us"] > 0 and entry["fallback_us"] > 0 and entry["effort"] == "quick"
+    assert entry["error"] <= tuning.TOLERANCE and entry["candidates"] >= 1
+    assert entry.get("widths", []) == list(site.widths)
+    (k,) = tuning.expand_keys([site], ())
+    problem = build_problem(k, CUDA)
+    error = timing.relative_error(problem.run(helion.Config(**entry["config"]), 0), problem.reference)
+    assert error <= problem.tolerance

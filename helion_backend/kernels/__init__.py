@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 
+import helion
 import torch
 
 from ..norm import RmsNormSpec
@@ -38,23 +39,27 @@ def run_kernel(
     up_kn: torch.Tensor | None = None,
     weight_scale: torch.Tensor | None = None,
     norm: tuple[torch.Tensor, RmsNormSpec] | None = None,
+    config: helion.Config | None = None,
 ) -> torch.Tensor:
-    """Run the ``kernel`` family's Helion implementation with the config tables' pick for the shape
-    (user-tuned ones in ``config_dir`` first); ``program`` is a fused activation quantization, ``up_kn``
+    """Run the ``kernel`` family's Helion implementation with ``config``, by default the config tables' pick
+    for the shape (user-tuned ones in ``config_dir`` first); ``program`` is a fused activation quantization, ``up_kn``
     a gated MLP's up projection, ``weight_scale`` the scales of a dequantized ``w_kn`` (packed int4's
     group scales, block fp8's block scales; block fp8 also has its activation's ``program``), ``norm``
     a fused RMSNorm's weight and spec (the ``gemm`` and ``gemm_glu`` families' prologue)."""
     if weight_scale is not None:
         extra = () if program is None else (program,)
         return KERNELS[kernel](x, w_kn, weight_scale, steps, operands, scalars, out_dtype, *extra,
-                               config_dir=config_dir)
+                               config=config, config_dir=config_dir)
     if up_kn is not None:
-        return KERNELS[kernel](x, w_kn, up_kn, steps, operands, scalars, out_dtype, config_dir=config_dir, norm=norm)
+        return KERNELS[kernel](x, w_kn, up_kn, steps, operands, scalars, out_dtype, config=config,
+                               config_dir=config_dir, norm=norm)
     if norm is not None:
-        return KERNELS[kernel](x, w_kn, steps, operands, scalars, out_dtype, config_dir=config_dir, norm=norm)
+        return KERNELS[kernel](x, w_kn, steps, operands, scalars, out_dtype, config=config, config_dir=config_dir,
+                               norm=norm)
     if program is not None:
-        return KERNELS[kernel](x, w_kn, steps, operands, scalars, out_dtype, program, config_dir=config_dir)
-    return KERNELS[kernel](x, w_kn, steps, operands, scalars, out_dtype, config_dir=config_dir)
+        return KERNELS[kernel](x, w_kn, steps, operands, scalars, out_dtype, program, config=config,
+                               config_dir=config_dir)
+    return KERNELS[kernel](x, w_kn, steps, operands, scalars, out_dtype, config=config, config_dir=config_dir)
 
 
 __all__ = ["KERNELS", "block_fp8_gemm_helion", "gemm_epilogue_helion", "glu_gemm_helion", "int4_gemm_helion",

@@ -17,8 +17,9 @@ per argument layout, epilogue and config.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import NamedTuple
 
 import helion
@@ -241,6 +242,13 @@ def norm_kernel_config(config: helion.Config) -> helion.Config:
     return helion.Config(block_sizes=[block_k, block_m, block_n], **_norm_safe_keys(config))
 
 
+def gemm_config_of_norm_kernel(config: helion.Config) -> helion.Config:
+    """A config of :func:`rmsnorm_gemm_kernel` in ``gemm_kernel``'s layout, as config tables store it: the
+    inverse of :func:`norm_kernel_config` (which keeps only the keys that mean the same in both kernels)."""
+    block_k, block_m, block_n = config["block_sizes"]
+    return helion.Config(block_sizes=[block_m, block_n, block_k], **_norm_safe_keys(config))
+
+
 class Layout(NamedTuple):
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -333,6 +341,29 @@ def check_family_steps(steps: tuple[str, ...], family: str) -> None:
 _COMPILED: dict[Hashable, Callable[..., None]] = {}
 
 
+class Launch(NamedTuple):
+    """One kernel launch of a wrapper: the kernel, its arguments and the config it was compiled with."""
+
+    kernel: helion.Kernel
+    args: tuple[object, ...]
+    config: helion.Config
+
+
+_recorded: list[Launch] | None = None  # where record_launches() collects, while it is active
+
+
+@contextlib.contextmanager
+def record_launches() -> Iterator[list[Launch]]:
+    """Collect the launches the wrappers make inside the block, so that the tuner autotunes exactly the kernel,
+    arguments and config adaptation a compile runs (one thread at a time: a tool's, not the hot path's)."""
+    global _recorded
+    outer, _recorded = _recorded, []
+    try:
+        yield _recorded
+    finally:
+        _recorded = outer
+
+
 def compiled_kernel(
     kernel: helion.Kernel, args: tuple[object, ...], sig: Signature, config: helion.Config, splits: int
 ) -> Callable[..., None]:
@@ -342,6 +373,8 @@ def compiled_kernel(
     of workspace slices) is part of the key: the finishing pass runs one config for every split-K
     config, and a kernel compiled for two slices would sum only two of four.
     """
+    if _recorded is not None:
+        _recorded.append(Launch(kernel, args, config))
     key = (kernel.name, sig, config, splits)
     run = _COMPILED.get(key)
     if run is None:

@@ -116,7 +116,8 @@ def _fill_report(ctx: PassContext) -> None:
 
 def _helion_sites(ctx: PassContext) -> list[ManifestSite]:
     """The launches this graph sends to Helion, for the tuner's manifest: a shared launch once, keyed as its
-    configs are (the sum of its widths), with every site's epilogue in turn."""
+    configs are (the sum of its widths, which it records too), with every site's epilogue in turn; each with
+    its prologue (the shared launch's is its first site's: the sites share the activation and its norm)."""
     launches = [site for site in ctx.sites if site.runs_on == "helion" and (site.group is None or site.group.sites[0] is site)]
     return [
         ManifestSite.declared(
@@ -127,6 +128,8 @@ def _helion_sites(ctx: PassContext) -> list[ManifestSite]:
             n=sum(member.n for member in _members(site)),
             m=site.static_m,
             helion_limit=site.helion_limit,
+            prologue=[s.name for s in site.prologue],
+            widths=[member.n for member in site.group.sites] if site.group is not None else (),
         )
         for site in launches
     ]
