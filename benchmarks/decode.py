@@ -748,7 +748,9 @@ def merge_results(paths: Sequence[Path], out_dir: Path) -> Path:
         "variants": ordered(union("variants"), VARIANTS),
         "tolerances": {k: v for data in shards for k, v in data["metadata"]["tolerances"].items()},
         "base_tolerances": {k: v for data in shards for k, v in data["metadata"]["base_tolerances"].items()},
-        "merged_from": [data["metadata"]["command"] for data in shards],
+        # A merged shard lists the runs it came from; a run, its own command.
+        "merged_from": [command for data in shards
+                        for command in data["metadata"].get("merged_from", [data["metadata"]["command"]])],
         "skipped": list(dict.fromkeys(skipped)),  # a row a later shard ran is not skipped
         "complete": not skipped,
         "helion_reports": {k: v for data in shards for k, v in data["metadata"].get("helion_reports", {}).items()},

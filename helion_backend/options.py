@@ -26,9 +26,11 @@ class BackendOptions:
     """Load the rule files shipped in ``rules/``."""
     max_helion_size: int = 32
     """Largest M (num_tokens) a site runs through Helion; larger M keeps cuBLAS and Inductor."""
-    rmsnorm_prologue_max_m: int = 8
-    """Largest static M whose GEMM takes an RMSNorm into its prologue: every output tile computes its rows'
-    statistics again, which at larger M costs more than the norm's own kernel (H200 decode step)."""
+    rmsnorm_prologue_max_m: int = 1
+    """Largest static M whose GEMM takes an RMSNorm into its prologue. One row costs the kernels about a
+    microsecond; two to eight rows cost 2-6 us per kernel (a first pass over x in every output tile), more
+    than the norm's own kernel (H200: the 4-layer decode step at batch 8 took 900 us with the norms apart,
+    915 us with them fused)."""
     merge_siblings: bool = True
     """Run GEMM sites that read the same activation (a decoder's q, k and v) in one Helion launch."""
     rewrite_on_cpu: bool = False

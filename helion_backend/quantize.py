@@ -240,11 +240,12 @@ def _probe_blockwise_scaled_mm(device: torch.device, dtype: torch.dtype) -> str 
     key = f"{device.type}:{dtype}"
     if key not in _BLOCKWISE_SCALED_MM_PROBED:
         try:
-            # Two blocks each way, so that the scale shapes cannot be read as row-wise ones.
-            size = 2 * FP8_BLOCK
+            # Four blocks each way: scale shapes no row-wise reading fits, and K/128 a multiple of 4 as in
+            # real layers (cuBLAS wants the weight scales' stride 16-byte aligned).
+            size = 4 * FP8_BLOCK
             xq = torch.ones(16, size, device=device).to(FP8_DTYPE)
             qweight = torch.ones(size, size, device=device).to(FP8_DTYPE)
-            _blockwise_scaled_mm(xq, torch.ones(16, 2, device=device), qweight, torch.ones(2, 2, device=device), dtype)
+            _blockwise_scaled_mm(xq, torch.ones(16, 4, device=device), qweight, torch.ones(4, 4, device=device), dtype)
             _BLOCKWISE_SCALED_MM_PROBED[key] = None
         except Exception as e:  # any refusal means "not supported here"
             _BLOCKWISE_SCALED_MM_PROBED[key] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

@@ -13,6 +13,8 @@ from helion_backend.report import GraphReport, SiteReport
 from helion_backend.rules import BUILTIN_RULES_DIR
 
 CPU_REWRITE = {"rewrite_on_cpu": True}
+# The RMSNorm prologue at every M the CPU tests use (by default it fuses only for one row).
+NORMS_FUSED = {"rmsnorm_prologue_max_m": 64}
 # The shipped rules without the gated MLP's (gate and up projections then stay two sites), with the CPU rewrite.
 WITHOUT_GATED = {**CPU_REWRITE, "builtin_rules": False,
                  "rules": [str(p) for p in sorted(BUILTIN_RULES_DIR.glob("*.toml")) if p.name != "gated_mlp.toml"]}

@@ -1,8 +1,10 @@
 """Hugging Face decoders built from tiny configs (random weights, no downloads) compile and match eager,
 and the report shows every projection of every layer as a fused site."""
 
+import helpers
 import pytest
 import torch
+from helpers import CPU_REWRITE
 
 import helion_backend
 
@@ -27,7 +29,7 @@ def config(name: str):
     }[name]()
 
 
-NORMS_FUSED = {"rewrite_on_cpu": True, "rmsnorm_prologue_max_m": 64}
+NORMS_FUSED = {**CPU_REWRITE, **helpers.NORMS_FUSED}
 
 # Per layer: q, k, v, o, gate and up (one gated site: silu(gate) * up), down, for the Llama family; c_attn,
 # c_proj, c_fc (+gelu), mlp c_proj for GPT-2; plus the LM head. Quantized gate and up stay two sites (the

@@ -195,7 +195,8 @@ def test_compile_records_its_helion_sites(tmp_path, sites_placed_on_helion):
 def test_compile_records_a_shared_launch_with_its_widths_and_norm(tmp_path, sites_placed_on_helion):
     from test_shared_input import QKV
 
-    options = {"rewrite_on_cpu": True, "cache_dir": str(tmp_path), "inductor_config": {"fx_graph_cache": False}}
+    options = {"rewrite_on_cpu": True, "rmsnorm_prologue_max_m": 4, "cache_dir": str(tmp_path),
+               "inductor_config": {"fx_graph_cache": False}}
     torch._dynamo.reset()
     with torch.no_grad():
         torch.compile(QKV(), backend="helion_inductor", options=options)(torch.randn(4, 64))

@@ -3,16 +3,21 @@ and that the rewritten graph (the reference path, ``rewrite_on_cpu``) computes w
 
 from __future__ import annotations
 
+import helpers
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import CPU_REWRITE, WITHOUT_GATED, compile_run, rel_err, sites
+from helpers import NORMS_FUSED, compile_run, rel_err, sites
 
 import helion_backend
 from helion_backend.norm import RmsNormSpec, parse_spec, rms_norm
+from helion_backend.options import BackendOptions
 from helion_backend.passes.trace import trace_sites
 
+# The norm fuses at every M these tests use (the bound has a test of its own).
+CPU_REWRITE = {**helpers.CPU_REWRITE, **NORMS_FUSED}
+WITHOUT_GATED = {**helpers.WITHOUT_GATED, **NORMS_FUSED}
 D, KV, FF = 64, 32, 96
 # Eager against the rewritten graph: the norm is bit-identical, the GEMM and epilogue round differently.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -90,7 +95,7 @@ def test_sites_carry_each_norms_own_eps():
     eps = {site.anchor.name: site.rms_norm.spec.eps for site in found if site.rms_norm is not None}
     assert sorted(set(eps.values())) == [1e-6, 1e-2] and len(eps) == 5
     with torch.no_grad():
-        got, _ = compile_run(model, x)
+        got, _ = compile_run(model, x, options=CPU_REWRITE)
         assert rel_err(got, model(x)) <= TOLERANCE[torch.float32]
 
 
@@ -154,7 +159,7 @@ def test_normalized_value_with_another_reader_stays_unfused_and_correct():
     x = torch.randn(2, 3, D)
     assert "also read by" in _single_site_note(fn, x)
     with torch.no_grad():
-        (out, total), reports = compile_run(fn, x)
+        (out, total), reports = compile_run(fn, x, options=CPU_REWRITE)
         ref_out, ref_total = fn(x)
     (site,) = sites(reports)
     assert site.prologue == [] and any("also read by" in n for n in site.notes)
@@ -186,7 +191,7 @@ def test_eps_lifted_to_an_input_by_dynamic_true_is_not_fused():
     model = nn.Sequential(HFRMSNorm(D), nn.Linear(D, KV, bias=False)).eval()
     x = torch.randn(1, 3, D)
     with torch.no_grad():
-        got, reports = compile_run(model, x, dynamic=True)
+        got, reports = compile_run(model, x, options=CPU_REWRITE, dynamic=True)
         assert rel_err(got, model(x)) <= 1e-5
     (site,) = sites(reports)
     assert site.prologue == [] and any("eps is a graph input" in n for n in site.notes), site.notes
@@ -238,7 +243,7 @@ def test_a_norm_whose_input_an_earlier_site_swallowed_is_not_fused(op_calls):
 
     h, r = torch.randn(4, FF, dtype=torch.bfloat16), torch.randn(4, D, dtype=torch.bfloat16)
     with torch.no_grad():
-        out, reports = compile_run(fn, h, r)
+        out, reports = compile_run(fn, h, r, options=CPU_REWRITE)
         expected = fn(h, r)
     down, head = sites(reports)
     assert down.epilogue == ["residual", "cast"] and head.prologue == [], (down, head)
@@ -248,14 +253,18 @@ def test_a_norm_whose_input_an_earlier_site_swallowed_is_not_fused(op_calls):
     assert rel_err(out, expected) <= TOLERANCE[torch.bfloat16]
 
 
-@pytest.mark.parametrize("m, limit, fused", [(9, 8, False), (8, 8, True), (9, 16, True)])
+@pytest.mark.parametrize("m, limit, fused", [(9, 8, False), (8, 8, True), (9, 16, True), (2, None, False),
+                                             (1, None, True)])
 def test_the_norm_fuses_only_up_to_rmsnorm_prologue_max_m(m, limit, fused):
-    """Above the option's M each output tile would re-read its rows: the norm stays a kernel of its own."""
+    """Above the option's M (default 1) the norm's own kernel is faster than every output tile computing
+    its rows' statistics: the norm stays a kernel of its own, with a note."""
     torch.manual_seed(0)
     model = nn.Sequential(HFRMSNorm(D), nn.Linear(D, FF, bias=False)).eval()
     x = torch.randn(m, D)
+    options = {"rewrite_on_cpu": True, **({} if limit is None else {"rmsnorm_prologue_max_m": limit})}
+    limit = BackendOptions().rmsnorm_prologue_max_m if limit is None else limit
     with torch.no_grad():
-        got, reports = compile_run(model, x, options={"rewrite_on_cpu": True, "rmsnorm_prologue_max_m": limit})
+        got, reports = compile_run(model, x, options=options)
         assert rel_err(got, model(x)) <= TOLERANCE[torch.float32]
     (site,) = sites(reports)
     assert site.runs_on == "reference" and site.prologue == (["rmsnorm"] if fused else [])

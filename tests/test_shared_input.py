@@ -3,16 +3,19 @@ and why, and that the rewritten graph (the reference path, ``rewrite_on_cpu``) c
 
 from __future__ import annotations
 
+import helpers
 import pytest
 import torch
 import torch.nn as nn
-from helpers import CPU_REWRITE, compile_run, rel_err, sites
+from helpers import NORMS_FUSED, compile_run, rel_err, sites
 from test_rmsnorm_prologue import HFRMSNorm
 
 from helion_backend import dispatch
 from helion_backend.epilogue import format_epilogues
 from helion_backend.vocabulary import MULTI_GEMM_FAMILY
 
+# The input norm fuses at every M these tests use.
+CPU_REWRITE = {**helpers.CPU_REWRITE, **NORMS_FUSED}
 D, KV = 64, 16
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 GROUPED = f"one launch ({MULTI_GEMM_FAMILY})"
@@ -35,7 +38,7 @@ class QKV(nn.Module):
 
 def _check_against_eager(model: nn.Module, x: torch.Tensor, dtype: torch.dtype, options: dict | None = None):
     with torch.no_grad():
-        got, reports = compile_run(model, x, options=options)
+        got, reports = compile_run(model, x, options=options or CPU_REWRITE)
         for out, ref in zip(got, model(x)):
             assert rel_err(out, ref) <= TOLERANCE[dtype]
     return sites(reports)
