@@ -49,8 +49,15 @@ from helion_backend.kernels.configs import PREQUANTIZE
 from helion_backend.kernels.gemm import glu_kernel_config
 from helion_backend.timing import time_callable_us
 from helion_backend.tuning import TIMING, ConfigTable, fastest_valid, table_entry, table_metadata
-from helion_backend.tuning_problems import GLU_FAMILY, QUANT_FORMAT_OF, TuneKey, build_problem, quantized_site
-from helion_backend.vocabulary import FP8_BLOCK, FP8_BLOCK_FAMILY, INT4_FAMILY, MULTI_GEMM_FAMILY, RMSNORM
+from helion_backend.tuning_problems import QUANT_FORMAT_OF, TuneKey, build_problem, quantized_site
+from helion_backend.vocabulary import (
+    FP8_BLOCK,
+    FP8_BLOCK_FAMILY,
+    GLU_FAMILY,
+    INT4_FAMILY,
+    MULTI_GEMM_FAMILY,
+    RMSNORM,
+)
 
 STEPS = ("bias", "gelu_tanh")
 GLU_STEPS = ("silu", "up_mul")

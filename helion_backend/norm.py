@@ -76,12 +76,12 @@ def normalize(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, roundin
     return (y * weight.to(torch.float32)).to(x.dtype)
 
 
-# Row dtypes whose one-pass norm cannot overflow: x * weight stays within float32's range.
+# Row dtypes the kernels fuse the norm for: x * weight, taken before the rows are scaled, stays in range.
 FUSED_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def weighted_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The GEMM operand of the one-pass norm: x times the norm's weight (its [K] slice), in x's dtype."""
+    """The GEMM operand of the fused norm: x times the norm's weight (its [K] slice), in x's dtype."""
     return (x.to(torch.float32) * weight.to(torch.float32)).to(x.dtype)
 
 

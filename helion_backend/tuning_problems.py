@@ -55,6 +55,7 @@ from .vocabulary import (
     ACTIVATION_QUANT_STEPS,
     DEFAULT_KERNEL_FAMILY,
     FP8_BLOCK_FAMILY,
+    GLU_FAMILY,
     INT4_FAMILY,
     KERNEL_FAMILIES,
     MULTI_GEMM_FAMILY,
@@ -65,7 +66,6 @@ from .vocabulary import (
     dtype_name,
 )
 
-GLU_FAMILY = "gemm_glu"
 # Largest relative Frobenius error against the reference for a config to count: bf16 rounding of the
 # output alone is about 3e-3 (float families: against float64; quantized ones: against the unfused
 # quantized computation, 40 dB SQNR).

@@ -27,6 +27,10 @@ class Operand(enum.Enum):
     FULL = "full"  # a tensor with the output's shape [M, N] (residual, mul)
 
 
+# The gated MLP family: gate and up projections of one activation in one kernel, storing silu(gate) * up.
+GLU_FAMILY = "gemm_glu"
+
+
 @dataclass(frozen=True)
 class StepKind:
     name: str
@@ -53,7 +57,7 @@ EPILOGUE_STEPS: dict[str, StepKind] = {
         StepKind("act_scale", Operand.NONE, "multiply each row by the scale the fused activation "
                  "quantization computed (a token_scale whose operand the prologue produces)", True),
         StepKind("up_mul", Operand.NONE, "multiply by a second GEMM of the same activation (a gated MLP's "
-                 "up projection), computed in the same kernel", True, only_in="gemm_glu"),
+                 "up projection), computed in the same kernel", True, only_in=GLU_FAMILY),
         *(StepKind(name, Operand.NONE, f"apply {name}") for name in ACTIVATIONS),
         StepKind("cast", Operand.NONE, "change the output dtype (the epilogue itself runs in fp32)"),
     )
@@ -154,7 +158,7 @@ KERNEL_FAMILIES: dict[str, KernelFamily] = {
         KernelFamily(INT4_FAMILY, tuple(SUPPORTED_DTYPES), ("dequant_int4",), needs_prologue=True),
         KernelFamily(FP8_BLOCK_FAMILY, tuple(SUPPORTED_DTYPES), ("quant_fp8_per_group", "dequant_fp8_block"),
                      needs_prologue=True),
-        KernelFamily("gemm_glu", tuple(SUPPORTED_DTYPES), (RMSNORM,), needs_steps=("up_mul",)),
+        KernelFamily(GLU_FAMILY, tuple(SUPPORTED_DTYPES), (RMSNORM,), needs_steps=("up_mul",)),
     )
 }
 DEFAULT_KERNEL_FAMILY = "gemm"

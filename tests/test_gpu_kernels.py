@@ -162,7 +162,7 @@ def test_cuda_graph_replay(split_k):
 @pytest.mark.parametrize("m", [1, 8, 32, 33])
 def test_gated_kernel_with_rmsnorm(m, round_before_weight):
     """Gate and up on RMS-normalized bfloat16 rows, default config, stored in fp32 so that the norm's
-    roundings show. The kernel's one-pass norm rounds x * weight where the graph rounds the normalized rows
+    roundings show. The kernel's norm rounds x * weight where the graph rounds the normalized rows
     (and, for Hugging Face's spelling, their product with the weight again): against the exact norm in
     float64 it is at least as close as the unfused graph's activation is (within sampling noise)."""
     x = torch.randn(m, K, dtype=torch.bfloat16, device="cuda") * 2

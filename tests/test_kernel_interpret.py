@@ -491,7 +491,7 @@ def test_run_kernel_gives_the_gated_kernel_its_norm():
 
 
 def test_float16_rows_are_refused_by_the_norm_kernels():
-    """x * weight, which the one-pass norm multiplies before it scales, can overflow float16 where the
+    """x * weight, which the kernels' norm multiplies before it scales, can overflow float16 where the
     normalized rows do not (x = 3e4, weight = 4): every kernel with the prologue refuses float16."""
     from helion_backend.kernels.multi_gemm import multi_gemm_helion
     from helion_backend.norm import RmsNormSpec

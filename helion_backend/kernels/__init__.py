@@ -10,14 +10,14 @@ import torch
 
 from ..norm import RmsNormSpec
 from ..quant_program import QuantProgram
-from ..vocabulary import FP8_BLOCK_FAMILY, INT4_FAMILY, KERNEL_FAMILIES
+from ..vocabulary import FP8_BLOCK_FAMILY, GLU_FAMILY, INT4_FAMILY, KERNEL_FAMILIES
 from .gemm import gemm_epilogue_helion, glu_gemm_helion
 from .multi_gemm import multi_gemm_helion
 from .quant_gemm import block_fp8_gemm_helion, int4_gemm_helion, quant_gemm_helion
 
 KERNELS: dict[str, Callable[..., torch.Tensor]] = {
     "gemm": gemm_epilogue_helion,
-    "gemm_glu": glu_gemm_helion,
+    GLU_FAMILY: glu_gemm_helion,
     INT4_FAMILY: int4_gemm_helion,
     FP8_BLOCK_FAMILY: block_fp8_gemm_helion,
     **{family: functools.partial(quant_gemm_helion, kernel_family=family)

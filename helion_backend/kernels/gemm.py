@@ -35,7 +35,7 @@ from .. import epilogue as epilogue_module
 from .. import norm as norm_module
 from ..epilogue import num_scalars, operand_kinds
 from ..norm import RmsNormSpec
-from ..vocabulary import DEFAULT_KERNEL_FAMILY, EPILOGUE_STEPS, Operand
+from ..vocabulary import DEFAULT_KERNEL_FAMILY, EPILOGUE_STEPS, GLU_FAMILY, Operand
 from .configs import EPILOGUE_CONFIG, config_for
 
 SUPPORTED_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -269,7 +269,7 @@ class Signature(NamedTuple):
     num_scalars: int
     steps: tuple[str, ...]
     out_dtype: torch.dtype
-    # A fused RMSNorm's weight (the kernels' one-pass norm does not depend on the spec's rounding).
+    # A fused RMSNorm's weight (the kernels' norm does not depend on the spec's rounding).
     norm: Layout | None = None
 
     @classmethod
@@ -296,7 +296,7 @@ def check_signature(sig: Signature) -> None:
 
 def check_norm_weight(weight: Layout, x: Layout) -> None:
     """An RMSNorm weight is a float [K] vector on x's device (any stride: the kernel indexes it), and x's
-    dtype one the one-pass norm cannot overflow in."""
+    dtype one the kernels' norm cannot overflow in."""
     if x.dtype not in norm_module.FUSED_DTYPES:
         raise ValueError(f"the RMSNorm prologue runs on {norm_module.FUSED_DTYPES} rows, got {x.dtype} (x times "
                          "the norm's weight could overflow before the rows are scaled)")
@@ -446,7 +446,7 @@ def gemm_kernel_args(
 def norm_kernel_args(norm: tuple[torch.Tensor, RmsNormSpec] | None) -> tuple[torch.Tensor | None, float]:
     """``(norm_weight, eps)`` as the kernels with an RMSNorm prologue take them; without a norm, a None
     weight (which Helion specializes away) and an unused eps. The spec's rounding is the unfused graph's:
-    the kernels' one-pass norm rounds x * weight instead (:mod:`helion_backend.norm`)."""
+    the kernels' norm rounds x * weight instead (:mod:`helion_backend.norm`)."""
     if norm is None:
         return None, 0.0
     weight, spec = norm
@@ -472,13 +472,13 @@ def glu_gemm_helion(
     steps, operands, scalars = tuple(steps), list(operands), [float(s) for s in scalars]
     sig = Signature.of(x, w_kn, operands, scalars, steps, out_dtype, norm)
     check_signature(sig)
-    check_family_steps(steps, "gemm_glu")
+    check_family_steps(steps, GLU_FAMILY)
     if Layout.of(up_kn)[:2] != Layout.of(w_kn)[:2]:
         raise ValueError(f"the up projection {tuple(up_kn.shape)} {up_kn.dtype} must match the gate's "
                          f"{tuple(w_kn.shape)} {w_kn.dtype}")
     (m, k), n = x.shape, w_kn.shape[1]
     if config is None:
-        config = config_for(m, k, n, x.dtype, x.device, config_dir, "gemm_glu")
+        config = config_for(m, k, n, x.dtype, x.device, config_dir, GLU_FAMILY)
     config = glu_kernel_config(config, x.dtype.itemsize, norm is not None)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     weight, eps = norm_kernel_args(norm)

@@ -21,12 +21,13 @@ def run(ctx: PassContext) -> None:
 
 
 def _norm_unfusable(site: GemmSite, max_m: int) -> str | None:
-    """Why the kernels' one-pass norm (:mod:`helion_backend.norm`) should not run at this site, if it should not."""
+    """Why the kernels' fused norm (:mod:`helion_backend.norm`) should not run at this site, if it should not."""
     if site.dtype not in FUSED_DTYPES:
         return (f"{dtype_name(site.dtype)} rows times the norm's weight could overflow before the rows are scaled "
                 f"(fused for {', '.join(map(dtype_name, FUSED_DTYPES))})")
     if site.static_m is not None and site.static_m > max_m:
-        return f"M={site.static_m} > rmsnorm_prologue_max_m={max_m} (every output tile would re-read its rows)"
+        return (f"M={site.static_m} > rmsnorm_prologue_max_m={max_m} (the norm's own kernel is faster than every "
+                "output tile taking its rows' statistics)")
     return None
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from ..patterns import RESHAPES, activation_identity
-from ..vocabulary import ACTIVATIONS, RMSNORM, SUPPORTED_DTYPES
+from ..vocabulary import ACTIVATIONS, GLU_FAMILY, RMSNORM, SUPPORTED_DTYPES
 from .context import GemmSite, PassContext, Step
 from .match import choose_rule, follow_chain
 
@@ -26,7 +26,7 @@ aten = torch.ops.aten
 
 
 def run(ctx: PassContext) -> None:
-    if not any(r.kernel == "gemm_glu" for r in ctx.rules):
+    if not any(r.kernel == GLU_FAMILY for r in ctx.rules):
         return
     plain = {_result(site): site for site in ctx.sites if _is_plain(site)}
     for site in list(ctx.sites):
@@ -45,7 +45,7 @@ def _try_gated(site: GemmSite, plain: dict[fx.Node, GemmSite], ctx: PassContext)
         site.chain = [*site.chain[:i], Step("up_mul", mul.nodes), *site.chain[i + 1:]]
         site.up_weight, site.up_layout = up.weight, up.weight_layout
         choose_rule(site, ctx.rules)  # drops the norm, with a note, where the gated rule takes no prologue
-        if site.rule is not None and site.rule.kernel == "gemm_glu":
+        if site.rule is not None and site.rule.kernel == GLU_FAMILY:
             ctx.sites.remove(up)
             site.notes.append(f"the up projection {up.anchor.name} runs in the same kernel (x read once)")
             return

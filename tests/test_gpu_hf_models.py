@@ -1,0 +1,90 @@
+"""Hugging Face decoders on the GPU: built from small configs (random weights, no downloads), compiled with
+the backend, their fused sites running the Helion kernels under CUDA graphs.
+
+The GPU image has no ``transformers``; the tests skip without it. To run them there, carry its wheels and
+their dependencies for the image's Python and install them beside Helion's, e.g.::
+
+    python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \\
+        --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .whl/hf transformers==5.24.0
+    # on the device, after the usual line for .whl/*.whl:
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/hf/*.whl
+"""
+
+import copy
+
+import pytest
+import torch
+
+import helion_backend
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.gpu
+
+HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 256, 512, 2, 1024
+
+
+def config(name: str):
+    attention = {"num_attention_heads": 4, "num_key_value_heads": 2}
+    sizes = {"hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE, "num_hidden_layers": LAYERS,
+             "vocab_size": VOCAB}
+    return {
+        "llama": lambda: transformers.LlamaConfig(**sizes, **attention),
+        "qwen3": lambda: transformers.Qwen3Config(**sizes, **attention, head_dim=64),
+        "mistral": lambda: transformers.MistralConfig(**sizes, **attention),
+        # GPT-2's Conv1D runs addmm with a [K, N] weight.
+        "gpt2": lambda: transformers.GPT2Config(n_embd=HIDDEN, n_layer=LAYERS, n_head=4, vocab_size=VOCAB,
+                                                n_positions=128, bos_token_id=0, eos_token_id=0),
+    }[name]()
+
+
+# Per layer q, k and v (one launch), o, the gated gate/up and down for the Llama family; c_attn, c_proj,
+# c_fc (+ GELU) and the MLP's c_proj for GPT-2; plus the LM head.
+EXPECTED_SITES = {"llama": 6 * LAYERS + 1, "qwen3": 6 * LAYERS + 1, "mistral": 6 * LAYERS + 1, "gpt2": 4 * LAYERS + 1}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def model_of(name: str, dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config(name)).to("cuda", dtype).eval()
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_SITES))
+def test_bf16_decoder_runs_every_projection_in_helion_and_matches_float32(name):
+    """A bf16 prefill of 2 x 7 tokens (M = 14): every projection of every layer is a Helion site, and the
+    logits, replayed under CUDA graphs on fresh tokens, are as close to the float32 model as eager bf16."""
+    model = model_of(name, torch.bfloat16)
+    reference = copy.deepcopy(model).float()
+    helion_backend.clear_reports()
+    compiled = torch.compile(model, backend="helion_inductor")
+    with torch.no_grad():
+        for _ in range(3):  # warm-up, record, replay
+            ids = torch.randint(0, VOCAB, (2, 7), device="cuda")
+            expected = reference(ids).logits
+            eager_error = rel_err(model(ids).logits, expected)
+            assert rel_err(compiled(ids).logits, expected) <= max(1.5 * eager_error, 1e-2), eager_error
+    found = [s for r in helion_backend.get_reports() for s in r.sites]
+    assert len(found) == EXPECTED_SITES[name], [r.summary() for r in helion_backend.get_reports()]
+    assert all(s.runs_on == "helion" and s.m == 14 for s in found), [(s.anchor, s.runs_on, s.why) for s in found]
+    if name != "gpt2":
+        assert sum(s.kernel == "gemm_multi" for s in found) == 3 * LAYERS
+        assert sum(s.kernel == "gemm_glu" for s in found) == LAYERS
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_generate_with_a_static_cache_matches_eager(name):
+    """Greedy ``generate`` with the static cache in float32 (so that rounding cannot flip a token): the
+    decode steps (M = 2, the norms fused only at M = 1) run Helion under CUDA graphs and pick eager's tokens."""
+    model = model_of(name, torch.float32)
+    ids = torch.randint(0, VOCAB, (2, 7), device="cuda")
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static")
+        helion_backend.clear_reports()
+        model.forward = torch.compile(model.forward, backend="helion_inductor")
+        got = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static")
+    assert torch.equal(got, expected)
+    decode_graphs = [r for r in helion_backend.get_reports() if {s.m for s in r.sites} == {2}]
+    assert decode_graphs, [r.summary() for r in helion_backend.get_reports()]
+    assert all(s.runs_on == "helion" for s in decode_graphs[-1].sites), decode_graphs[-1].summary()
