@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from helpers import compile_run, randn, sites
 
+import helion_backend
 from helion_backend.options import BackendOptions
-from helion_backend.passes.manager import HelionPassManager
+from helion_backend.passes.manager import HelionPassManager, package_digest, source_digest
 
 
 def run_python(code: str, env: dict | None = None, cwd: str | None = None) -> subprocess.CompletedProcess:
@@ -65,6 +66,21 @@ def test_mode_is_accepted_and_unknown_mode_refused():
     assert site.epilogue == ["relu"] and site.runs_on == "inductor"
     with pytest.raises(ValueError, match="unknown mode 'fastest'"):
         helion_backend.helion_inductor(torch.fx.symbolic_trace(lambda x: x + 1), [x], mode="fastest")
+
+
+def test_source_digest_changes_with_any_source_file(tmp_path):
+    """The uuid covers the package's code (an editable install keeps its version while its passes change)."""
+    (tmp_path / "passes").mkdir()
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "passes" / "b.py").write_text("y = 2\n")
+    (tmp_path / "notes.txt").write_text("not code")
+    base = source_digest(tmp_path)
+    assert source_digest(tmp_path) == base
+    (tmp_path / "notes.txt").write_text("still not code")
+    assert source_digest(tmp_path) == base
+    (tmp_path / "passes" / "b.py").write_text("y = 3\n")
+    assert source_digest(tmp_path) != base
+    assert package_digest() == source_digest(Path(helion_backend.__file__).parent)
 
 
 def test_uuid_covers_rules_options_and_version(tmp_path):

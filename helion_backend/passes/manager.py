@@ -1,13 +1,14 @@
 """The pass manager: one ``CustomGraphPass`` that runs the pipeline, reports what it did and records the
 sites it sent to Helion in the manifest (:mod:`helion_backend.manifest`, what the tuner reads).
 
-Its ``uuid()`` covers the package version, the options that change the rewrite and the content of
-every rule file, so Inductor's FX graph cache stays on and never serves a graph rewritten under
-other rules.
+Its ``uuid()`` covers the package's own source code, the options that change the rewrite and the
+content of every rule file, so Inductor's FX graph cache stays on and never serves a graph rewritten
+under other rules or by other pass code (an edited install keeps its version number).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -32,6 +33,20 @@ log = logging.getLogger(__name__)
 _graph_ids = itertools.count()
 
 
+def source_digest(root: Path) -> str:
+    """sha256 of the Python sources under ``root`` (paths and contents, in a stable order)."""
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+@functools.cache  # once per process: the sources do not change under a running compile
+def package_digest() -> str:
+    """The digest of this package's sources: the passes decide what a cached graph holds."""
+    return source_digest(Path(__file__).resolve().parents[1])
+
+
 class HelionPassManager(CustomGraphPass):
     def __init__(self, options: BackendOptions) -> None:
         self.options = options
@@ -41,6 +56,7 @@ class HelionPassManager(CustomGraphPass):
             json.dumps(
                 {
                     "version": __version__,
+                    "code": package_digest(),
                     "options": options.fingerprint(),
                     "rules": rules_digest(self.rule_files),
                     # The fused op reads user-tuned configs from here; their contents decide placement.
