@@ -1,4 +1,4 @@
-"""RMSNorm prologue semantics, written once and shared by the reference path and the Helion kernel.
+"""RMSNorm prologue semantics: the unfused norm (the reference path) and the pieces the Helion kernels use.
 
 The norm the ``rmsnorm`` prologue step fuses is::
 
@@ -63,19 +63,6 @@ def rstd_from_sum_of_squares(sum_of_squares: torch.Tensor, k: int, eps: float) -
     return torch.rsqrt(sum_of_squares / k + eps)
 
 
-def round_dtype(spec: RmsNormSpec, x_dtype: torch.dtype) -> torch.dtype:
-    """What the normalized rows round through before the weight multiply (float32: no rounding)."""
-    return x_dtype if spec.round_before_weight else torch.float32
-
-
-def normalize(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, rounding: torch.dtype) -> torch.Tensor:
-    """Rows of ``x`` (a whole [M, K] tensor or a kernel tile) times their ``rstd`` ([M, 1]), rounded
-    through ``rounding``, times the weight (its [K] slice), in x's dtype. Branch-free elementwise ops,
-    so Helion device code calls it as is (a flag would be a symbolic value there)."""
-    y = (x.to(torch.float32) * rstd).to(rounding).to(torch.float32)
-    return (y * weight.to(torch.float32)).to(x.dtype)
-
-
 # Row dtypes the kernels fuse the norm for: x * weight, taken before the rows are scaled, stays in range.
 FUSED_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -105,5 +92,7 @@ def scale_rows(acc: torch.Tensor, sum_of_squares: torch.Tensor, k: int, eps: flo
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, spec: RmsNormSpec) -> torch.Tensor:
     """The unfused norm as eager computes it (the reference path; Inductor runs the same ops)."""
     h = x.to(torch.float32)
-    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + spec.eps)
-    return normalize(x, rstd, weight, round_dtype(spec, x.dtype))
+    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + spec.eps)
+    if spec.round_before_weight:
+        y = y.to(x.dtype).to(torch.float32)
+    return (y * weight.to(torch.float32)).to(x.dtype)
