@@ -153,6 +153,20 @@ def run_multi_gemm_epilogue(
     return unfused_multi(x, w_kns, steps, flat, scalars, out_dtype, norm)
 
 
+def run_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                         scale: float, out_stride: Sequence[int], site: str = "") -> torch.Tensor:
+    """The ``decode_attention`` op: the Helion decode kernel on CUDA, else (and after it failed here)
+    PyTorch's ``scaled_dot_product_attention``; into a fresh tensor of strides ``out_stride``."""
+    out = q.new_empty_strided(q.shape, out_stride)
+    rows = q.shape[2]
+    if q.is_cuda and helion_unavailable_reason() is None and (site, rows) not in _FAILED:
+        from .kernels.attention import decode_attention_helion
+
+        if _try_helion(site, rows, lambda: decode_attention_helion(q, k, v, mask, scale, out=out)) is not None:
+            return out
+    return out.copy_(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale))
+
+
 def _runs_helion(x: torch.Tensor, max_helion_m: int, site: str) -> bool:
     """Whether this call's rows go to the Helion kernel (else to the reference)."""
     m = x.shape[0]
@@ -218,8 +232,8 @@ def _describe_failure(error: Exception) -> str:
 def _fall_back(site: str, m: int, reason: str) -> None:
     """Remember that ``site`` cannot run Helion at this M, warn once, and note it in the site's report."""
     _FAILED[(site, m)] = reason
-    log.warning("helion_inductor: site %s (M=%d) falls back to cuBLAS + an unfused epilogue: Helion kernel "
-                "failed (%s)", site or "<unnamed>", m, reason)
+    log.warning("helion_inductor: site %s (M=%d) runs its reference (cuBLAS + an unfused epilogue, or PyTorch's "
+                "attention) from now on: Helion kernel failed (%s)", site or "<unnamed>", m, reason)
     report.record_fallback(site, f"M={m}: Helion kernel failed ({reason}); ran the reference instead")
     gc.collect()  # whatever the failure left in reference cycles goes now, not at some later collection
 

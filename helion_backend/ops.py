@@ -102,3 +102,26 @@ def _(x, weights, weight_layouts, operands, scalars, epilogues, out_dtype, max_h
       norm_weight=None, norm_spec=""):
     widths = [w.shape[0] if layout == "nk" else w.shape[1] for w, layout in zip(weights, weight_layouts.split(","))]
     return [x.new_empty((x.shape[0], n), dtype=out_dtype) for n in widths]
+
+
+@torch.library.custom_op(f"{OP_NAMESPACE}::decode_attention", mutates_args=())
+def decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    out_stride: list[int],
+    site: str,
+) -> torch.Tensor:
+    """``scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)`` for a few query rows
+    per head ([B, H, R, D] over a [B, H, L, D] cache): the Helion decode kernel on CUDA, SDPA elsewhere.
+    ``mask`` is None, boolean (True attends) or an additive float bias broadcasting to [B, H, R, L]. The
+    result has the strides ``out_stride`` of the node it replaces (the graph's views of it were traced
+    with them). ``site`` names the node in the report, for the warning if the kernel fails."""
+    return dispatch.run_decode_attention(query, key, value, mask, scale, out_stride, site)
+
+
+@decode_attention.register_fake
+def _(query, key, value, mask, scale, out_stride, site):
+    return query.new_empty_strided(query.shape, out_stride)

@@ -31,6 +31,10 @@ class BackendOptions:
     microsecond; two to eight rows cost 2-6 us per kernel (a first pass over x in every output tile), more
     than the norm's own kernel (H200: the 4-layer decode step at batch 8 took 900 us with the norms apart,
     915 us with them fused)."""
+    decode_attention_max_rows: int = 16
+    """Largest static query length (rows per head) whose ``scaled_dot_product_attention`` runs as the Helion
+    decode kernel, which splits the KV cache over the GPU; 0 keeps PyTorch's kernels everywhere. Longer
+    queries (prefill) keep them: they are tiled for long queries, and win there."""
     merge_siblings: bool = True
     """Run GEMM sites that read the same activation (a decoder's q, k and v) in one Helion launch."""
     rewrite_on_cpu: bool = False
@@ -70,13 +74,15 @@ class BackendOptions:
             "rewrite_on_cpu": bool,
             "max_helion_size": int,
             "rmsnorm_prologue_max_m": int,
+            "decode_attention_max_rows": int,
         }
         for name, typ in expected.items():
             value = getattr(self, name)
             if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
                 raise TypeError(f"helion_inductor: option {name!r} must be {typ.__name__}, got {value!r}")
-        if self.max_helion_size < 0:
-            raise ValueError("helion_inductor: option 'max_helion_size' must be >= 0")
+        for name in ("max_helion_size", "decode_attention_max_rows"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"helion_inductor: option {name!r} must be >= 0")
         if self.cudagraphs not in (None, True, False):
             raise TypeError(f"helion_inductor: option 'cudagraphs' must be a bool, got {self.cudagraphs!r}")
 

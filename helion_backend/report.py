@@ -32,6 +32,29 @@ class SiteReport:
 
 
 @dataclass
+class AttentionReport:
+    """A ``scaled_dot_product_attention`` node and where it runs (the decode attention kernel or Inductor)."""
+
+    node: str
+    op: str
+    batch: int | str
+    heads: int | str
+    rows: int | str  # query rows per head (the query length)
+    kv_len: int | str
+    head_dim: int | str
+    dtype: str
+    mask: str  # "none" | "bool" | "bias"
+    runs_on: str  # "helion" | "reference" | "inductor"
+    why: str | None
+    fallbacks: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        where = self.runs_on + (f" ({self.why})" if self.why else "")
+        return (f"  [decode_attention] {self.node}: {self.op.split('.')[1]} B={self.batch} H={self.heads} "
+                f"rows={self.rows} L={self.kv_len} D={self.head_dim} {self.dtype} mask={self.mask} -> {where}")
+
+
+@dataclass
 class UnfusedGemm:
     node: str
     op: str
@@ -46,6 +69,7 @@ class GraphReport:
     error: str | None = None  # an analysis pass failed: nothing in the graph was rewritten
     sites: list[SiteReport] = field(default_factory=list)
     unfused_gemms: list[UnfusedGemm] = field(default_factory=list)
+    attention: list[AttentionReport] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -59,6 +83,7 @@ class GraphReport:
             error=data.get("error"),
             sites=[SiteReport(**s) for s in data.get("sites", [])],
             unfused_gemms=[UnfusedGemm(**u) for u in data.get("unfused_gemms", [])],
+            attention=[AttentionReport(**a) for a in data.get("attention", [])],
         )
 
     def summary(self) -> str:
@@ -74,6 +99,9 @@ class GraphReport:
             lines.extend(f"      fallback: {event}" for event in s.fallbacks)
         for u in self.unfused_gemms:
             lines.append(f"  unfused {u.node} ({u.op}): {u.reason}")
+        for a in self.attention:
+            lines.append(a.summary())
+            lines.extend(f"      fallback: {event}" for event in a.fallbacks)
         return "\n".join(lines)
 
 
@@ -100,6 +128,9 @@ def record_fallback(site: str, event: str) -> None:
                 for s in report.sites:
                     if s.anchor == anchor and event not in s.fallbacks:
                         s.fallbacks.append(event)
+                for a in report.attention:
+                    if a.node == anchor and event not in a.fallbacks:
+                        a.fallbacks.append(event)
 
 
 def get_reports() -> list[GraphReport]:

@@ -166,3 +166,15 @@ DEFAULT_KERNEL_FAMILY = "gemm"
 # default family (passes/shared_input.py groups them); its configs are keyed by the sum of their N.
 MULTI_GEMM_FAMILY = "gemm_multi"
 MULTI_GEMM_SLOTS = 3  # sites one such launch runs (a decoder's q, k and v)
+
+# Decode attention (passes/attention.py, kernels/attention.py): the aten forms ``scaled_dot_product_attention``
+# takes in a post-grad graph, by the name of their mask argument (None: the form takes no mask).
+SDPA_OPS: dict[torch._ops.OpOverload, str | None] = {
+    torch.ops.aten._scaled_dot_product_flash_attention.default: None,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default: "attn_bias",
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default: "attn_bias",
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: "attn_mask",
+}
+# The dtypes and the largest head dimension the decode attention kernel takes.
+ATTENTION_DTYPES = tuple(SUPPORTED_DTYPES.values())
+ATTENTION_MAX_HEAD_DIM = 256

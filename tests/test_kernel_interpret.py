@@ -12,6 +12,7 @@ import os
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("triton")
 pytest.importorskip("helion")
@@ -56,7 +57,8 @@ def _interpreter_fixes():
 
     - triton-lang/triton#9171: ``int()`` of a one-element array (dynamic loop bounds) raises on NumPy >= 2.4.
     - triton-lang/triton#11584: ``tl.dot`` of bfloat16 multiplies the raw uint16 bit patterns.
-    - libdevice's ``rsqrt`` (the RMSNorm prologue) has no interpreter implementation; ``tl.math.rsqrt`` has.
+    - libdevice's ``rsqrt`` (the RMSNorm prologue), ``exp2`` and ``log2`` (decode attention) have no
+      interpreter implementation; ``tl.math``'s have.
     """
     patch_tensor = interpreter._patch_lang_tensor
     create_dot = interpreter.InterpreterBuilder.create_dot
@@ -76,6 +78,8 @@ def _interpreter_fixes():
         mp.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot_fp32)
         mp.setattr(BoundKernel, "autotune", no_autotune)
         mp.setattr(libdevice, "rsqrt", lambda v: tl.math.rsqrt(v))
+        mp.setattr(libdevice, "exp2", lambda v: tl.math.exp2(v))
+        mp.setattr(libdevice, "log2", lambda v: tl.math.log2(v))
         yield
 
 
@@ -505,3 +509,56 @@ def test_float16_rows_are_refused_by_the_norm_kernels():
         multi_gemm_helion(x, [w, w], [(), ()], [], [], torch.float16, norm=norm)
     with pytest.raises(ValueError, match=refused):
         run_kernel("gemm_glu", x, w, (), [], [], torch.float16, up_kn=w, norm=norm)
+
+
+ATTENTION_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def attention_case(rows: int, kv_len: int, dtype: torch.dtype, mask_kind: str):
+    """q [2, 3, rows, 32] over a cache stored [B, L, H, D] (strided views), each sequence with its own length."""
+    q = torch.randn(2, 3, rows, 32, dtype=dtype)
+    k, v = (torch.randn(2, kv_len, 3, 32, dtype=dtype).transpose(1, 2) for _ in range(2))
+    keep = (torch.arange(kv_len)[None, :] < torch.tensor([kv_len // 3, kv_len - 5])[:, None]).view(2, 1, 1, kv_len)
+    mask = {"none": None, "bool": keep,
+            "bias": torch.randn(2, 3, rows, kv_len, dtype=dtype).masked_fill(~keep, float("-inf"))}[mask_kind]
+    double_mask = mask if mask is None or mask.dtype == torch.bool else mask.double()
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=double_mask, scale=0.2)
+    return (q, k, v, mask), ref
+
+
+@pytest.mark.parametrize("rows, dtype, mask_kind, split_kv", [
+    *((5, torch.bfloat16, mask_kind, split_kv) for mask_kind in ("none", "bool", "bias") for split_kv in (1, 4)),
+    (1, torch.float32, "bool", 4),
+    (5, torch.float32, "bias", 1),
+])
+def test_decode_attention_kernel_matches_float64(rows, dtype, mask_kind, split_kv):
+    """Cache chunks of 64 over L = 200 (the last one partial), blocks of 32: every chunk and block boundary."""
+    from helion_backend.kernels.attention import decode_attention_helion
+
+    args, ref = attention_case(rows, 200, dtype, mask_kind)
+    config = helion.Config(block_sizes=[32, 16], split_kv=split_kv, num_warps=4, num_stages=1)
+    out = decode_attention_helion(*args, scale=0.2, config=config)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert rel_err(out, ref) <= ATTENTION_TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("split_kv", [1, 4])
+def test_decode_attention_row_with_nothing_to_attend_is_zero(split_kv):
+    """As PyTorch's attention (its safe softmax): zeros, not NaN, from one chunk or from several."""
+    from helion_backend.kernels.attention import decode_attention_helion
+
+    q, k, v = torch.randn(1, 2, 2, 16), torch.randn(1, 2, 130, 16), torch.randn(1, 2, 130, 16)
+    keep = torch.ones(1, 2, 2, 130, dtype=torch.bool)
+    keep[0, 1, 1] = False
+    config = helion.Config(block_sizes=[32, 16], split_kv=split_kv, num_warps=4, num_stages=1)
+    out = decode_attention_helion(q, k, v, keep, config=config)
+    assert torch.equal(out[0, 1, 1], torch.zeros(16))
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=keep))
+
+
+@pytest.mark.parametrize("batch_heads, kv_len, split", [(8, 1024, 16), (64, 1024, 2), (256, 1024, 1), (8, 100, 2)])
+def test_decode_attention_default_config_fills_the_gpu(batch_heads, kv_len, split):
+    """About 128 programs (H200: 132 SMs), never chunks shorter than 64 positions."""
+    from helion_backend.kernels.attention import default_config
+
+    assert default_config(batch_heads, 4, kv_len)["split_kv"] == split

@@ -365,7 +365,7 @@ def record_launches() -> Iterator[list[Launch]]:
 
 
 def compiled_kernel(
-    kernel: helion.Kernel, args: tuple[object, ...], sig: Signature, config: helion.Config, splits: int
+    kernel: helion.Kernel, args: tuple[object, ...], sig: Hashable, config: helion.Config, splits: int
 ) -> Callable[..., None]:
     """Compile ``kernel`` for ``args`` under ``config`` once; later calls skip Helion's binding.
 

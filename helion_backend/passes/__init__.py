@@ -5,7 +5,18 @@ Each pass is one module with ``run(ctx: PassContext) -> None``. The pipeline is 
 handed to Inductor unchanged.
 """
 
-from . import cleanup, legality, match, normalize, placement, rewrite, shared_input, siblings
+from . import (
+    attention,
+    attention_rewrite,
+    cleanup,
+    legality,
+    match,
+    normalize,
+    placement,
+    rewrite,
+    shared_input,
+    siblings,
+)
 
-ANALYSIS = (normalize, match, siblings, legality, placement, shared_input)
-TRANSFORMS = (rewrite, cleanup)
+ANALYSIS = (normalize, match, siblings, legality, placement, shared_input, attention)
+TRANSFORMS = (rewrite, attention_rewrite, cleanup)

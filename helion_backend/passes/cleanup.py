@@ -9,7 +9,7 @@ ALSO_RUNS_NOTE = "the unfused GEMM runs as well"
 
 def run(ctx: PassContext) -> None:
     # Also after a rewrite that failed half-way: what it inserted before failing has no users.
-    if any(site.rule is not None for site in ctx.sites):
+    if any(site.rule is not None for site in ctx.sites) or any(site.fused is not None for site in ctx.attention):
         ctx.graph.eliminate_dead_code()
         ctx.graph.lint()
         _note_surviving_gemms(ctx)

@@ -1,9 +1,10 @@
-"""State the passes hand to each other: one :class:`GemmSite` per GEMM in the graph.
+"""State the passes hand to each other: one :class:`GemmSite` per GEMM in the graph, one
+:class:`AttentionSite` per attention node.
 
 Passes communicate only through a :class:`PassContext`; each pass reads what earlier passes wrote and
 adds its own part (normalize: the anchor; match: the chain and the rule; legality: the final chain or
 the reason not to fuse; placement: where it runs; shared_input: the launch it shares; rewrite: the
-fused node).
+fused node; attention and attention_rewrite: the same for attention).
 """
 
 from __future__ import annotations
@@ -129,6 +130,26 @@ class SiteGroup:
 
 
 @dataclass
+class AttentionSite:
+    """A ``scaled_dot_product_attention`` node (one of :data:`~helion_backend.vocabulary.SDPA_OPS`), read
+    through its output 0, and where it runs."""
+
+    node: fx.Node
+    output: fx.Node  # the node's ``getitem(.., 0)``
+    query: fx.Node
+    key: fx.Node
+    value: fx.Node
+    mask: fx.Node | None  # boolean (True attends) or an additive float bias
+    mask_kind: str  # "none" | "bool" | "bias"
+    scale: float
+    shape: tuple[object, ...]  # batch, heads, query rows, cache length, head dim (ints or SymInts)
+    dtype: torch.dtype
+    runs_on: str = "inductor"
+    reason: str | None = None
+    fused: fx.Node | None = None
+
+
+@dataclass
 class PassContext:
     graph: fx.Graph
     options: BackendOptions
@@ -137,3 +158,4 @@ class PassContext:
     sites: list[GemmSite] = field(default_factory=list)
     # GEMM nodes no rule can anchor on, with the reason (the report's ``unfused_gemms``).
     unanchored: list[tuple[fx.Node, str]] = field(default_factory=list)
+    attention: list[AttentionSite] = field(default_factory=list)

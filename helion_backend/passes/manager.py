@@ -23,11 +23,11 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from .. import __version__, dispatch
 from ..manifest import ManifestSite, record_sites
 from ..options import BackendOptions
-from ..report import GraphReport, SiteReport, UnfusedGemm, dim_for_report, record, write_dump
+from ..report import AttentionReport, GraphReport, SiteReport, UnfusedGemm, dim_for_report, record, write_dump
 from ..rules import builtin_rule_files, load_rules, rules_digest
 from ..vocabulary import MULTI_GEMM_FAMILY, dtype_name
 from . import ANALYSIS, TRANSFORMS
-from .context import GemmSite, PassContext
+from .context import AttentionSite, GemmSite, PassContext
 
 log = logging.getLogger(__name__)
 _graph_ids = itertools.count()
@@ -88,6 +88,7 @@ class HelionPassManager(CustomGraphPass):
             log.warning("helion_inductor: %s failed on %s; the graph is left to Inductor unchanged",
                         report.error, report.graph, exc_info=True)
             ctx.sites.clear()
+            ctx.attention.clear()
         for stage in TRANSFORMS:
             stage.run(ctx)
         _fill_report(ctx)
@@ -128,6 +129,7 @@ def _fill_report(ctx: PassContext) -> None:
     ctx.report.unfused_gemms.extend(
         UnfusedGemm(node=node.name, op=str(node.target), reason=reason) for node, reason in ctx.unanchored
     )
+    ctx.report.attention.extend(map(_attention_report, ctx.attention))
 
 
 def _helion_sites(ctx: PassContext) -> list[ManifestSite]:
@@ -176,6 +178,15 @@ def _site_report(site: GemmSite) -> SiteReport:
         dtype=dtype_name(site.dtype),
         notes=list(site.notes),
     )
+
+
+def _attention_report(site: AttentionSite) -> AttentionReport:
+    shape = [d if isinstance(d, int) else str(d) for d in site.shape]
+    if len(shape) != 5:  # not [B, H, rows, L, D]: the reason says what it is
+        shape = ["?"] * 5
+    return AttentionReport(node=site.node.name, op=str(site.node.target), batch=shape[0], heads=shape[1],
+                           rows=shape[2], kv_len=shape[3], head_dim=shape[4], dtype=dtype_name(site.dtype),
+                           mask=site.mask_kind, runs_on=site.runs_on, why=site.reason)
 
 
 def _readable(graph: fx.Graph) -> str:

@@ -71,7 +71,7 @@ def _replace(graph: fx.Graph, site: GemmSite, config_dir: str, name: str, replac
             name,
             *_norm_args(norm),
         ), lambda node: replaced.get(node, node))
-        fused = _call(graph, FUSED_OP, args)
+        fused = insert_call(graph, FUSED_OP, args)
         _take_output(graph, site, fused, replaced)
 
 
@@ -97,16 +97,16 @@ def _replace_group(graph: fx.Graph, group: SiteGroup, config_dir: str, name: str
             name,
             *_norm_args(norm),
         ), lambda node: replaced.get(node, node))
-        fused = _call(graph, MULTI_OP, args)
+        fused = insert_call(graph, MULTI_OP, args)
         for i, site in enumerate(sites):
-            _take_output(graph, site, _call(graph, operator.getitem, (fused, i)), replaced)
+            _take_output(graph, site, insert_call(graph, operator.getitem, (fused, i)), replaced)
 
 
 def _activation(graph: fx.Graph, site: GemmSite, replaced: dict[fx.Node, fx.Node]) -> fx.Node:
     """The op's x: the site's activation, or a fused norm's 3-D input seen as the GEMM saw it."""
     norm = site.rms_norm
     if norm is not None and norm.view is not None:
-        return _call(graph, aten.view.default, (replaced.get(norm.x, norm.x), norm.view.args[1]))
+        return insert_call(graph, aten.view.default, (replaced.get(norm.x, norm.x), norm.view.args[1]))
     return site.x
 
 
@@ -116,7 +116,7 @@ def _weight_scale(graph: fx.Graph, site: GemmSite, replaced: dict[fx.Node, fx.No
     scale = site.weight_scale
     if scale is None or not site.weight_scale_kn:
         return scale
-    return _call(graph, aten.permute.default, (replaced.get(scale, scale), [1, 0]))
+    return insert_call(graph, aten.permute.default, (replaced.get(scale, scale), [1, 0]))
 
 
 def _norm_args(norm: RmsNormMatch | None) -> tuple[fx.Node | None, str]:
@@ -129,12 +129,13 @@ def _take_output(graph: fx.Graph, site: GemmSite, result: fx.Node, replaced: dic
     site.fused = result
     reshapes = [s for s in site.chain if s.name == "reshape"]
     if reshapes:  # a 3-D F.linear: view the [M, N] result back to the shape users expect
-        result = _call(graph, aten.view.default, (result, reshapes[-1].out.args[1]))
+        result = insert_call(graph, aten.view.default, (result, reshapes[-1].out.args[1]))
     site.output.replace_all_uses_with(result)
     replaced[site.output] = result
 
 
-def _call(graph: fx.Graph, target, args: tuple) -> fx.Node:
+def insert_call(graph: fx.Graph, target, args: tuple) -> fx.Node:
+    """A call of ``target`` at the graph's insertion point, with its fake value in ``meta["val"]``."""
     node = graph.call_function(target, args)
     vals = fx.node.map_arg(args, lambda n: n.meta["val"])
     with detect_fake_mode(tree_leaves(vals)):

@@ -1,0 +1,153 @@
+"""Decode attention: find the graph's ``scaled_dot_product_attention`` nodes and decide where each runs.
+
+A node with at most ``decode_attention_max_rows`` query rows per head (a decode step) runs the Helion
+decode kernel (:mod:`helion_backend.kernels.attention`) on CUDA; longer queries (prefill), training
+graphs (which read the log-sum-exp), dropout, ``is_causal`` and dynamic shapes keep the kernel PyTorch
+chose, with the reason in the report. A boolean mask that the graph turned into an additive bias
+(``where(mask, 0, -inf)``) is read as the boolean itself, so that the bias is never materialized.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .. import dispatch
+from ..patterns import val
+from ..vocabulary import ATTENTION_DTYPES, ATTENTION_MAX_HEAD_DIM, SDPA_OPS, dtype_name
+from .context import AttentionSite, PassContext
+
+aten = torch.ops.aten
+
+
+def run(ctx: PassContext) -> None:
+    for node in ctx.graph.nodes:
+        if node.op == "call_function" and node.target in SDPA_OPS:
+            site = _site(node)
+            if site is not None:
+                site.runs_on, site.reason = _place(site, node, ctx)
+                ctx.attention.append(site)
+
+
+def _site(node: fx.Node) -> AttentionSite | None:
+    """The node as a site; None when no value reads its output 0 (nothing to replace)."""
+    outputs = [user for user in node.users if user.target is operator.getitem and user.args[1] == 0]
+    q, k, v = (val(node.args[i]) for i in range(3))
+    if len(outputs) != 1 or q is None or k is None or v is None:
+        return None
+    arguments = _arguments(node)
+    mask, kind = _mask(arguments.get(SDPA_OPS[node.target]))
+    scale = arguments.get("scale")
+    return AttentionSite(
+        node=node, output=outputs[0], query=node.args[0], key=node.args[1], value=node.args[2], mask=mask,
+        mask_kind=kind, scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale),
+        shape=(*q.shape[:3], k.shape[2], q.shape[3]) if q.ndim == 4 and k.ndim == 4 else tuple(q.shape),
+        dtype=q.dtype,
+    )
+
+
+def _arguments(node: fx.Node) -> dict[str, Any]:
+    """The node's arguments by schema name, defaults filled in."""
+    values: dict[str, Any] = {}
+    for i, argument in enumerate(node.target._schema.arguments):
+        if i < len(node.args):
+            values[argument.name] = node.args[i]
+        elif argument.name in node.kwargs:
+            values[argument.name] = node.kwargs[argument.name]
+        elif argument.has_default_value():
+            values[argument.name] = argument.default_value
+    return values
+
+
+def _mask(mask: object) -> tuple[fx.Node | None, str]:
+    """The mask to pass the kernel and its kind: a boolean mask that the graph turned into a bias
+    (``where(keep, 0, -inf)`` or ``where(~keep, -inf, 0)``, seen through an expand) as the boolean
+    ``keep``, any other tensor as an additive bias."""
+    if not isinstance(mask, fx.Node):
+        return None, "none"
+    keep = _boolean_source(mask.args[0] if mask.target is aten.expand.default else mask)
+    return (keep, "bool") if keep is not None else (mask, "bias")
+
+
+def _boolean_source(bias: fx.Node) -> fx.Node | None:
+    """``keep`` where ``bias`` is 0 at ``keep`` and -inf elsewhere, else None."""
+    if bias.target is not aten.where.self:
+        return None
+    condition, if_true, if_false = bias.args
+    if _is_constant(if_true, 0.0) and _is_constant(if_false, -math.inf):
+        keep = condition
+    elif (_is_constant(if_true, -math.inf) and _is_constant(if_false, 0.0) and isinstance(condition, fx.Node)
+          and condition.target in (aten.logical_not.default, aten.bitwise_not.default)):
+        keep = condition.args[0]
+    else:
+        return None
+    if isinstance(keep, fx.Node) and val(keep) is not None and val(keep).dtype == torch.bool:
+        return keep
+    return None
+
+
+def _is_constant(node: object, value: float) -> bool:
+    """``value`` everywhere, as the graph spells where's constants: ``full(shape, value)`` (a scalar, or the
+    zeros a ``masked_fill`` starts from: the mask's checked shape covers theirs), ``scalar_tensor(value)`` or
+    the number itself."""
+    if isinstance(node, (int, float)):
+        return node == value
+    if not isinstance(node, fx.Node):
+        return False
+    if node.target is aten.full.default:
+        return node.args[1] == value
+    return node.target is aten.scalar_tensor.default and node.args[0] == value
+
+
+def _place(site: AttentionSite, node: fx.Node, ctx: PassContext) -> tuple[str, str | None]:
+    """``(runs_on, why)``: the decode kernel on CUDA where it computes the node exactly, the reference on a
+    CPU graph with ``rewrite_on_cpu``, else the kernel PyTorch chose."""
+    problem = _unsupported(site, node, ctx.options.decode_attention_max_rows)
+    if problem:
+        return "inductor", problem
+    device = val(site.query).device
+    if device.type == "cuda":
+        unavailable = dispatch.helion_unavailable_reason()
+        return ("reference", unavailable) if unavailable else ("helion", None)
+    if ctx.options.rewrite_on_cpu:
+        return "reference", f"no Helion kernel on {device.type}: rewrite_on_cpu runs the reference"
+    return "inductor", f"{device.type} graph: left to Inductor (option rewrite_on_cpu rewrites it to the reference)"
+
+
+def _unsupported(site: AttentionSite, node: fx.Node, max_rows: int) -> str | None:
+    """Why the decode kernel should not run this node, if it should not."""
+    arguments = _arguments(node)
+    q, k, v = val(site.query), val(site.key), val(site.value)
+    readers = sorted({user.args[1] for user in node.users if user.target is operator.getitem} - {0})
+    if readers or any(user.target is not operator.getitem for user in node.users):
+        return f"outputs {readers} (the log-sum-exp, a training graph's) are read: the decode kernel has none"
+    if arguments.get("dropout_p", 0.0) != 0.0:
+        return "dropout"
+    if arguments.get("is_causal", False):
+        return "is_causal=True (the decode kernel reads an explicit mask)"
+    if not (q.ndim == k.ndim == v.ndim == 4):
+        return f"{q.ndim}-D query (the decode kernel takes [B, H, rows, D])"
+    if not all(isinstance(d, int) for t in (q, k, v) for d in t.shape):
+        return "dynamic shapes (the decode kernel is compiled for static ones)"
+    batch, heads, rows, head_dim = q.shape
+    if k.shape[:2] != (batch, heads) or k.shape[3] != head_dim or v.shape != k.shape:
+        return f"key {tuple(k.shape)} and value {tuple(v.shape)} do not match query {tuple(q.shape)} head for head"
+    if q.dtype not in ATTENTION_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtypes {dtype_name(q.dtype)}, {dtype_name(k.dtype)}, {dtype_name(v.dtype)}"
+    if head_dim > ATTENTION_MAX_HEAD_DIM:
+        return f"head dimension {head_dim} > {ATTENTION_MAX_HEAD_DIM}"
+    if site.mask is not None and not _broadcasts(val(site.mask), (batch, heads, rows, k.shape[2])):
+        return f"mask {tuple(val(site.mask).shape)} does not broadcast to {(batch, heads, rows, k.shape[2])}"
+    if rows > max_rows:
+        return f"rows={rows} > decode_attention_max_rows={max_rows}: a prefill, PyTorch's kernel is tiled for it"
+    return None
+
+
+def _broadcasts(mask: torch.Tensor | None, shape: tuple[int, ...]) -> bool:
+    if mask is None or mask.ndim > len(shape):
+        return False
+    return all(m in (1, s) for m, s in zip(reversed(mask.shape), reversed(shape)))
