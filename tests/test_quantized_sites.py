@@ -65,6 +65,19 @@ def test_library_forms_fuse_with_their_prologue_and_match_eager(fmt, dtype, lead
     assert sqnr_db(expected, out) >= (90 if dtype == torch.float32 else 40)
 
 
+@pytest.mark.parametrize("fmt", sorted(PROLOGUE))
+def test_trace_sites_names_each_format_prologue(fmt):
+    """``trace_sites`` (the tuner's and the kernel tests' view of a layer) names the prologue a compile
+    reports. make_fx reads a buffer through a node per use, and the int4 layer reads its packed bytes twice
+    (``p & 15``, ``p >> 4``): they are still one tensor."""
+    from helion_backend.passes.trace import trace_sites
+
+    torch.manual_seed(0)
+    layer = quantize(nn.Linear(256, 128).to(torch.bfloat16), fmt)
+    (site,) = trace_sites(layer, torch.randn(4, 256, dtype=torch.bfloat16))
+    assert ([step.name for step in site.prologue], site.notes) == (PROLOGUE[fmt], []), site
+
+
 def test_rescale_after_form_takes_the_unit_scales_as_steps():
     """``_scaled_mm`` with unit scales and an fp32 output, rescaled after: the same site, more steps."""
     torch.manual_seed(1)
