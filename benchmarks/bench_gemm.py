@@ -103,6 +103,7 @@ SUITES: dict[str, tuple[LinearShape, ...]] = {
     "tiny": (LinearShape("tiny", 256, 256),),
 }
 MODEL_SUITES = ("qwen3_8b", "qwen3_32b")  # the presets' matrix; the lm_head suite is asked for by name
+SMOKE_SUITE = "tiny"  # no model's shape: the config sweep leaves it out
 EPILOGUES = ("none", "bias", "bias_gelu_tanh", "silu", "residual")
 BIAS_EPILOGUES = ("bias", "bias_gelu_tanh")
 ALL_M = (1, 2, 4, 8, 16, 24, 32, 64, 128, 512, 2048)
@@ -801,7 +802,7 @@ PRESETS = {
     ),
     # CPU, float32, four cases, a few wall-clock samples: checks the script, measures nothing.
     "smoke": Plan(
-        suites=("tiny",),
+        suites=(SMOKE_SUITE,),
         shapes=None,
         epilogues=("bias_gelu_tanh", "residual"),
         ms=(1, 16),
