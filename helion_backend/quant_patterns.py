@@ -96,9 +96,11 @@ def activation_quant_problem(quantized: fx.Node, scale: fx.Node) -> str:
 
 
 def _is_lifted_scalar(node: fx.Node) -> bool:
+    """A graph input that stands for a Python float: Dynamo passes an unspecialized float as a 0-d float64
+    tensor (a model's own scalar buffer is a tensor in its dtype)."""
     value = val(node)
-    return node.op == "placeholder" and (
-        isinstance(value, torch.SymFloat) or (isinstance(value, torch.Tensor) and value.dim() == 0))
+    return node.op == "placeholder" and (isinstance(value, torch.SymFloat) or (
+        isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype == torch.float64))
 
 
 def _region(quantized: fx.Node, scale: fx.Node) -> tuple[list[fx.Node], fx.Node] | None:
