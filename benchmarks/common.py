@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -103,3 +103,27 @@ def write_result_files(stem: Path, metadata: dict, rows: Sequence[dict], markdow
     json_path.write_text(json.dumps({"metadata": metadata, "rows": list(rows)}, indent=1) + "\n")
     stem.with_suffix(".md").write_text(markdown)
     return json_path
+
+
+def read_result_files(paths: Sequence[Path]) -> list[dict]:
+    """The ``{"metadata", "rows"}`` contents of result files, in the order given (the later wins a merge)."""
+    return [json.loads(path.read_text()) for path in paths]
+
+
+def merged_metadata(shards: Sequence[dict], ran: set[str]) -> dict[str, Any]:
+    """What every merge of result files shares: the last file's metadata, the runs the files came from (a
+    merged file lists the ones it came from, a run its own command), the labels still skipped (a label that
+    ``ran`` in some file is not) and whether none is."""
+    skipped = [label for data in shards for label in data["metadata"]["skipped"] if label not in ran]
+    return {
+        **shards[-1]["metadata"],
+        "merged_from": [command for data in shards
+                        for command in data["metadata"].get("merged_from", [data["metadata"]["command"]])],
+        "skipped": list(dict.fromkeys(skipped)),
+        "complete": not skipped,
+    }
+
+
+def metadata_union(shards: Sequence[dict], key: str) -> list:
+    """The items of list ``key`` of every file's metadata, each once, in the order they first appear."""
+    return list(dict.fromkeys(item for data in shards for item in data["metadata"].get(key, [])))

@@ -83,6 +83,9 @@ from benchmarks.common import (
     capture_calls,
     device_tag,
     median_replay_ms,
+    merged_metadata,
+    metadata_union,
+    read_result_files,
     relative_error,
     run_metadata,
     write_result_files,
@@ -727,7 +730,7 @@ def write_results(out_dir: Path, metadata: dict, rows: Sequence[dict]) -> Path:
 
 def merge_results(paths: Sequence[Path], out_dir: Path) -> Path:
     """Merge result files of one device and model; a later file's row replaces an earlier one's."""
-    shards = [json.loads(path.read_text()) for path in paths]
+    shards = read_result_files(paths)
     models = {json.dumps(data["metadata"]["model"], sort_keys=True) for data in shards}
     if len(models) > 1:
         raise SystemExit(f"cannot merge results of different model configs: {sorted(models)}")
@@ -735,24 +738,13 @@ def merge_results(paths: Sequence[Path], out_dir: Path) -> Path:
     for data in shards:
         for row in data["rows"]:
             rows[(row["format"], row["batch"], row["variant"])] = row
-    ran = {f"{fmt} batch={batch} {variant}" for fmt, batch, variant in rows}
-    skipped = [label for data in shards for label in data["metadata"]["skipped"] if label not in ran]
-
-    def union(key: str) -> list:
-        return list(dict.fromkeys(item for data in shards for item in data["metadata"][key]))
-
     merged = {
-        **shards[-1]["metadata"],
-        "formats": union("formats"),
-        "batches": sorted(union("batches")),
-        "variants": ordered(union("variants"), VARIANTS),
+        **merged_metadata(shards, ran={f"{fmt} batch={batch} {variant}" for fmt, batch, variant in rows}),
+        "formats": metadata_union(shards, "formats"),
+        "batches": sorted(metadata_union(shards, "batches")),
+        "variants": ordered(metadata_union(shards, "variants"), VARIANTS),
         "tolerances": {k: v for data in shards for k, v in data["metadata"]["tolerances"].items()},
         "base_tolerances": {k: v for data in shards for k, v in data["metadata"]["base_tolerances"].items()},
-        # A merged shard lists the runs it came from; a run, its own command.
-        "merged_from": [command for data in shards
-                        for command in data["metadata"].get("merged_from", [data["metadata"]["command"]])],
-        "skipped": list(dict.fromkeys(skipped)),  # a row a later shard ran is not skipped
-        "complete": not skipped,
         "helion_reports": {k: v for data in shards for k, v in data["metadata"].get("helion_reports", {}).items()},
         "lm_head": {k: v for data in shards for k, v in data["metadata"].get("lm_head", {}).items()},
     }

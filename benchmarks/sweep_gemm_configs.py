@@ -43,7 +43,7 @@ if __package__ in (None, ""):
 import helion
 import torch
 
-from benchmarks.bench_gemm import SUITES
+from benchmarks.bench_gemm import SMOKE_SUITE, SUITES
 from helion_backend.kernels import configs
 from helion_backend.kernels.configs import PREQUANTIZE
 from helion_backend.kernels.gemm import glu_kernel_config
@@ -200,7 +200,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--m", default="1,4,16,32", help="comma list of M values")
     parser.add_argument("--kernel", default="gemm", choices=["gemm", GLU_FAMILY, MULTI_GEMM_FAMILY, *QUANT_FORMAT_OF],
                         help="kernel family (gemm_multi: a decoder's q, k and v in one launch, after an RMSNorm)")
-    parser.add_argument("--suite", default=",".join(SUITES), help="comma list of suites")
+    parser.add_argument("--suite", default=",".join(s for s in SUITES if s != SMOKE_SUITE), help="comma list of suites")
     parser.add_argument("--budget-min", type=float, default=0, help="start no new key after this long")
     parser.add_argument("--out-dir", type=Path, help="also write the table here")
     args = parser.parse_args(argv)

@@ -83,6 +83,26 @@ def activation_quant(quantized: fx.Node, scale: fx.Node, rank: int = 2) -> Activ
     return ActivationQuant(x, program, tuple(nodes))
 
 
+def activation_quant_problem(quantized: fx.Node, scale: fx.Node) -> str:
+    """Why :func:`activation_quant` found no quantization of one activation behind ``quantized`` and
+    ``scale``, for the report: most often a Python float that Dynamo made a graph input."""
+    _, leaves = _ancestors(quantized, scale, root=None)
+    lifted = [leaf.name for leaf in sorted(leaves, key=lambda n: n._sort_key) if _is_lifted_scalar(leaf)]
+    if lifted:
+        return (f"it reads {', '.join(lifted)}, a 0-d graph input: a Python float that torch.compile(dynamic=True) "
+                "passes in per call, where the kernels compile the quantization's constants in; read the constant "
+                "in the forward (e.g. torch.finfo(dtype).max) or mark only the token dimension dynamic")
+    return "it reads tensors other than the activation, or ops outside the vocabulary"
+
+
+def _is_lifted_scalar(node: fx.Node) -> bool:
+    """A graph input that stands for a Python float: Dynamo passes an unspecialized float as a 0-d float64
+    tensor (a model's own scalar buffer is a tensor in its dtype)."""
+    value = val(node)
+    return node.op == "placeholder" and (isinstance(value, torch.SymFloat) or (
+        isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype == torch.float64))
+
+
 def _region(quantized: fx.Node, scale: fx.Node) -> tuple[list[fx.Node], fx.Node] | None:
     """The ancestors of both outputs made of supported ops, down to the one tensor x they start from.
 
@@ -97,7 +117,8 @@ def _region(quantized: fx.Node, scale: fx.Node) -> tuple[list[fx.Node], fx.Node]
     return None
 
 
-def _ancestors(quantized: fx.Node, scale: fx.Node, root: fx.Node) -> tuple[set[fx.Node] | None, set[fx.Node]]:
+def _ancestors(quantized: fx.Node, scale: fx.Node,
+               root: fx.Node | None) -> tuple[set[fx.Node] | None, set[fx.Node]]:
     members: set[fx.Node] = set()
     leaves: set[fx.Node] = set()
     todo = [quantized, scale]
@@ -473,8 +494,9 @@ def _grouped_quantization(quantized: fx.Node, scale: fx.Node, m: int | torch.Sym
     _expect(q is not None and q.dtype == torch.float8_e4m3fn and same_shape(q.shape, (m, k // block, block)),
             f"the activation is not quantized to fp8 in groups of {block} along K")
     found = activation_quant(quantized, scale, rank=3)
-    _expect(found is not None, f"the quantization is not a per-group ({block}) one of the activation alone (it "
-            "reads other tensors, e.g. constants lifted to inputs by dynamic=True, or ops outside the vocabulary)")
+    if found is None:
+        raise _NotTheFormat(f"the quantization is not a per-group ({block}) one of the activation alone "
+                            f"({activation_quant_problem(quantized, scale)})")
     x = _reshape_source(found.x, (m, k // block, block), "the grouped activation")
     x_val = val(x)
     _expect(x_val is not None and x_val.dtype in SUPPORTED_DTYPES.values() and same_shape(x_val.shape, (m, k)),

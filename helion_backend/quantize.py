@@ -75,6 +75,22 @@ def _per_channel_amax(w: torch.Tensor) -> torch.Tensor:
     return w.abs().amax(dim=1, keepdim=True).float()  # [N, 1]
 
 
+def _quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` quantized to fp8 with a dynamic scale per row of its last dimension (a token, or a group of a
+    token's K): the fp8 values and the fp32 scales ``[..., 1]``.
+
+    The bound is ``torch.finfo(...).max`` here, not the ``FP8_MAX`` global: ``torch.compile(dynamic=True)``
+    makes a Python float that the forward reads from a global or an attribute a graph input, and a
+    quantization that reads an input is no longer one of the activation alone, which is what the kernels
+    fuse (they compile its constants in). Dynamo folds ``torch.finfo`` to a constant.
+    """
+    fp8_max = torch.finfo(FP8_DTYPE).max
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    scale = (amax.to(torch.float32) / fp8_max).clamp(min=1e-12)
+    xq = (x.to(torch.float32) / scale).clamp(-fp8_max, fp8_max).to(FP8_DTYPE)
+    return xq, scale
+
+
 def _multiple_problem(what: dict[str, int], multiple: int, why: str) -> str | None:
     bad = [f"{name}={value}" for name, value in what.items() if value % multiple]
     if not bad:
@@ -126,9 +142,7 @@ class Fp8DynamicLinear(_QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        amax = x2.abs().amax(dim=-1, keepdim=True)
-        scale = (amax.to(torch.float32) / FP8_MAX).clamp(min=1e-12)
-        xq = (x2.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        xq, scale = _quantize_fp8(x2)
         if self.rescale_after:
             acc = torch._scaled_mm(xq, self.qweight.t(), scale_a=self.one, scale_b=self.one,
                                    out_dtype=torch.float32)
@@ -303,10 +317,7 @@ class BlockFp8Linear(_QuantizedLinear):
         n, k, block = self.out_features, self.in_features, FP8_BLOCK
         x2 = x.reshape(-1, k)
         m = x2.shape[0]
-        xg = x2.reshape(m, k // block, block)
-        amax = xg.abs().amax(dim=-1, keepdim=True)
-        scale = (amax.to(torch.float32) / FP8_MAX).clamp(min=1e-12)  # [M, K/128, 1]
-        xq = (xg.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        xq, scale = _quantize_fp8(x2.reshape(m, k // block, block))  # scale: [M, K/128, 1]
         if self.use_scaled_mm:
             out = _blockwise_scaled_mm(xq.reshape(m, k), scale.reshape(m, k // block), self.qweight,
                                        self.weight_scale, x.dtype)

@@ -177,6 +177,34 @@ def test_block_fp8_scaled_mm_runs_as_the_block_fp8_kernel(m, bias, gelu):
     assert site.runs_on == ("helion" if m <= 32 else "inductor"), site.why
 
 
+@pytest.mark.parametrize("dynamic", [None, True], ids=["mark_dynamic", "dynamic_true"])
+@pytest.mark.parametrize("form", ["fp8_dynamic", "fp8_block", "fp8_block_scaled_mm"])
+def test_fp8_with_a_symbolic_token_count_runs_the_fused_kernel(form, dynamic):
+    """A symbolic M (``mark_dynamic``, or ``dynamic=True``, which also lifts Python floats the forward reads)
+    keeps the fp8 sites fused with their prologue: the Helion kernel up to M = 32, the unrewritten graph above
+    (M = 64, a multiple of 4 as cuBLAS' blockwise ``_scaled_mm`` needs)."""
+    from helion_backend.quantize import BlockFp8Linear, _probe_blockwise_scaled_mm
+
+    fmt = form.removesuffix("_scaled_mm")
+    if form != fmt and (problem := _probe_blockwise_scaled_mm(torch.device("cuda"), torch.bfloat16)) is not None:
+        pytest.skip(f"no blockwise _scaled_mm in torch {torch.__version__} here: {problem}")
+    hand_written = quantize(float_block(), fmt)  # the reference (cuBLAS' blockwise kernel refuses M = 2)
+    model = copy.deepcopy(hand_written)
+    if form != fmt:
+        model.proj = BlockFp8Linear.from_linear(float_block().proj, use_scaled_mm=True)
+    helion_backend.clear_reports()
+    compiled = torch.compile(model, backend="helion_inductor", dynamic=dynamic)
+    with torch.no_grad():
+        for m in (2, 8, 32, 64):  # not 1: Dynamo specializes a size of 1 (a graph of its own)
+            x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+            r = torch.randn(m, N, device="cuda", dtype=torch.bfloat16)
+            torch._dynamo.mark_dynamic(x, 0)
+            torch._dynamo.mark_dynamic(r, 0)
+            assert sqnr_db(hand_written(x, r), compiled(x, r)) >= 40, m
+    (site,) = sites(helion_backend.get_reports())
+    assert (site.m, site.kernel, site.prologue, site.runs_on) == ("dynamic", FAMILIES[fmt], PROLOGUES[fmt], "helion"), site
+
+
 def _program_of(module: nn.Module):
     """The program the matcher records for ``module``'s activation quantization."""
     from helion_backend.passes.trace import trace_sites

@@ -65,6 +65,19 @@ def test_library_forms_fuse_with_their_prologue_and_match_eager(fmt, dtype, lead
     assert sqnr_db(expected, out) >= (90 if dtype == torch.float32 else 40)
 
 
+@pytest.mark.parametrize("fmt", sorted(PROLOGUE))
+def test_trace_sites_names_each_format_prologue(fmt):
+    """``trace_sites`` (the tuner's and the kernel tests' view of a layer) names the prologue a compile
+    reports. make_fx reads a buffer through a node per use, and the int4 layer reads its packed bytes twice
+    (``p & 15``, ``p >> 4``): they are still one tensor."""
+    from helion_backend.passes.trace import trace_sites
+
+    torch.manual_seed(0)
+    layer = quantize(nn.Linear(256, 128).to(torch.bfloat16), fmt)
+    (site,) = trace_sites(layer, torch.randn(4, 256, dtype=torch.bfloat16))
+    assert ([step.name for step in site.prologue], site.notes) == (PROLOGUE[fmt], []), site
+
+
 def test_rescale_after_form_takes_the_unit_scales_as_steps():
     """``_scaled_mm`` with unit scales and an fp32 output, rescaled after: the same site, more steps."""
     torch.manual_seed(1)
@@ -308,28 +321,60 @@ def test_rule_that_stops_before_the_rescale_cannot_take_the_prologue(tmp_path):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dynamic", [None, True], ids=["mark_dynamic", "dynamic_true"])
 @pytest.mark.parametrize("fmt", sorted(PROLOGUE))
-def test_dynamic_token_count(fmt):
-    """A marked-dynamic M keeps the prologue. ``dynamic=True`` may lift the format's float constants to
-    graph inputs, which the quantization then reads: the GEMM still fuses, and where the quantization
-    does not, the report says why."""
+def test_dynamic_token_count(fmt, dynamic):
+    """A symbolic M keeps the prologue, marked (``mark_dynamic``) or everywhere (``dynamic=True``, which also
+    makes Python floats the forward reads graph inputs: the layers read their fp8 bound where Dynamo keeps it
+    a constant)."""
     torch.manual_seed(9)
     model = quantize(nn.Sequential(nn.Linear(256, 128), nn.GELU()), fmt)
-    for dynamic in (None, True):
-        torch._dynamo.reset()
-        helion_backend.clear_reports()
-        compiled = torch.compile(model, backend="helion_inductor", options=CPU_REWRITE, dynamic=dynamic)
-        for m in (3, 7, 40):
-            x = torch.randn(m, 256)
-            torch._dynamo.mark_dynamic(x, 0)
-            with torch.no_grad():
-                torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
-        found = sites(helion_backend.get_reports())
-        assert found and all(site.m == "dynamic" for site in found), found
-        if dynamic is None:
-            assert [site.prologue for site in found] == [PROLOGUE[fmt]], found
-        for site in found:
-            assert site.prologue == PROLOGUE[fmt] or any("of the activation alone" in n for n in site.notes), site
+    compiled = torch.compile(model, backend="helion_inductor", options=CPU_REWRITE, dynamic=dynamic)
+    for m in (3, 7, 40):
+        x = torch.randn(m, 256)
+        torch._dynamo.mark_dynamic(x, 0)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    found = sites(helion_backend.get_reports())
+    assert [(site.m, site.prologue, site.kernel) for site in found] == [("dynamic", PROLOGUE[fmt], KERNEL[fmt])], found
+
+
+# A Python float global: under torch.compile(dynamic=True), a graph input (a 0-d float64 tensor) of the graphs
+# that read it.
+LIFTED_FP8_MAX = 448.0
+
+
+def _per_token_over_a_lifted_float(x, layer):
+    x = x.reshape(-1, layer.in_features)  # K static, as the layers have it
+    scale = (x.abs().amax(-1, keepdim=True).float() / LIFTED_FP8_MAX).clamp(min=1e-12)
+    xq = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return torch._scaled_mm(xq, layer.qweight.t(), scale_a=scale, scale_b=layer.weight_scale, out_dtype=torch.float32)
+
+
+def _per_group_over_a_lifted_float(x, layer):
+    (n, k), b = layer.qweight.shape, FP8_BLOCK
+    xg = x.reshape(-1, k).reshape(-1, k // b, b)  # K static, as the layers have it
+    scale = (xg.abs().amax(-1, keepdim=True).float() / LIFTED_FP8_MAX).clamp(min=1e-12)
+    x_dq = ((xg.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale).reshape(-1, k)
+    w_dq = (layer.qweight.float().reshape(n // b, b, k // b, b)
+            * layer.weight_scale.reshape(n // b, 1, k // b, 1)).reshape(n, k)
+    return F.linear(x_dq, w_dq)
+
+
+@pytest.mark.parametrize("fn, layer_class", [(_per_token_over_a_lifted_float, Fp8DynamicLinear),
+                                             (_per_group_over_a_lifted_float, BlockFp8Linear)],
+                         ids=["per_token", "per_group"])
+def test_quantization_reading_a_lifted_float_names_it(fn, layer_class):
+    """A quantization that divides by a float Dynamo made a graph input reads a value known only per call,
+    which the kernels cannot compile in: the GEMM fuses without the prologue, and the note names the input."""
+    torch.manual_seed(17)
+    layer = layer_class.from_linear(nn.Linear(256, 128))
+    x = torch.randn(4, 256)
+    out, reports = compile_run(functools.partial(fn, layer=layer), x, dynamic=True)
+    (site,) = sites(reports)
+    assert site.prologue == [], site
+    assert any("a 0-d graph input" in note and "dynamic=True" in note for note in site.notes), site.notes
+    torch.testing.assert_close(out, fn(x, layer), rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -518,6 +563,26 @@ def test_block_fp8_scaled_mm_fuses_as_the_hand_written_form(dtype, k, n, bias, t
         assert sites(helion_backend.get_reports())[-1].kernel == "gemm_fp8_block"
         expected = F.gelu(block_fp8_float64(model.proj, x), approximate="tanh") + r.double()
         assert sqnr_db(expected, out) >= (90 if dtype == torch.float32 else 40)
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["mark_dynamic", "dynamic_true"])
+def test_block_fp8_scaled_mm_with_a_symbolic_token_count_fuses(dynamic):
+    """The blockwise ``_scaled_mm`` form fuses for a symbolic M as for a static one. The token counts stay
+    within the Helion limit: above it the unrewritten graph runs, whose blockwise ``_scaled_mm`` the CPU lacks."""
+    torch.manual_seed(18)
+    model = scaled_mm_block_model(256, 256, torch.bfloat16)
+    compiled = torch.compile(model, backend="helion_inductor", options=CPU_REWRITE, dynamic=dynamic)
+    for m in (3, 8, 20):
+        x, r = torch.randn(m, 256, dtype=torch.bfloat16), torch.randn(m, 256, dtype=torch.bfloat16)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch._dynamo.mark_dynamic(r, 0)
+        with torch.no_grad():
+            out = compiled(x, r)
+        expected = F.gelu(block_fp8_float64(model.proj, x), approximate="tanh") + r.double()
+        assert sqnr_db(expected, out) >= 40
+    found = sites(helion_backend.get_reports())
+    assert [(site.m, site.kernel, site.prologue) for site in found] == [
+        ("dynamic", "gemm_fp8_block", PROLOGUE["fp8_block"])], found
 
 
 def analyze(fn, *args, options: dict | None = None):

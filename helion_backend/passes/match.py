@@ -11,7 +11,7 @@ from typing import Sequence
 
 from ..norm_patterns import find_rmsnorm
 from ..patterns import next_step, val
-from ..quant_patterns import activation_quant
+from ..quant_patterns import activation_quant, activation_quant_problem
 from ..rules import Rule
 from ..vocabulary import (
     ACTIVATION_QUANT_STEPS,
@@ -64,11 +64,9 @@ def _fuse_activation_quant(site: GemmSite) -> None:
     found = activation_quant(site.x, step.operand)
     if found is None:
         if site.x.op == "call_function":
-            site.notes.append(
-                "the quantization before the GEMM is not a per-token one of the activation alone (it reads "
-                "other tensors, e.g. constants lifted to inputs by dynamic=True, or ops outside the "
-                "vocabulary): the GEMM reads the quantized activation"
-            )
+            site.notes.append(f"the quantization before the GEMM is not a per-token one of the activation alone "
+                              f"({activation_quant_problem(site.x, step.operand)}): the GEMM reads the quantized "
+                              "activation")
         return
     chain = list(site.chain)
     chain[i] = Step("act_scale", step.nodes)

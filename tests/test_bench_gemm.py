@@ -1,0 +1,151 @@
+"""The GEMM benchmark (benchmarks/bench_gemm.py): the quantized suite's formats, floors, failures and merges,
+and its --smoke run of the int4 and block fp8 formats end to end."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `pytest` (unlike `python -m pytest`) does not put the checkout on the path
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import bench_gemm  # noqa: E402
+from helion_backend.quantize import QUANT_FORMATS  # noqa: E402
+from helion_backend.tuning_problems import QUANT_FORMAT_OF  # noqa: E402
+from helion_backend.vocabulary import KERNEL_FAMILIES  # noqa: E402
+
+NEW_FORMATS = ("int4_weight_only", "fp8_block")
+PROLOGUE_OF = {fmt: KERNEL_FAMILIES[family].prologue for family, fmt in QUANT_FORMAT_OF.items()}
+
+
+def test_every_quantize_format_is_offered_with_a_tolerance():
+    assert set(bench_gemm.QUANT_TOLERANCES) == set(QUANT_FORMATS)
+    assert set(bench_gemm.QUANT_SPEEDUP_TARGETS) <= set(QUANT_FORMATS)
+    assert bench_gemm.parse_args(["--quant", ",".join(reversed(QUANT_FORMATS))]).quant == tuple(QUANT_FORMATS)
+
+
+@pytest.mark.parametrize("fmt, weight_bytes", [
+    ("int4_weight_only", 1024 * 4096 // 2 + 1024 * (4096 // 128) * 2),  # two nibbles a byte; bf16 scale per group
+    ("fp8_block", 1024 * 4096 + (1024 // 128) * (4096 // 128) * 4),  # fp8; fp32 scale per 128 x 128 block
+    ("fp8_dynamic", 1024 * 4096 + 1024 * 4),  # fp8; fp32 scale per channel (not the unit scale of rescale_after)
+    ("int8_dynamic", 1024 * 4096 + 1024 * 4),
+    ("int8_weight_only", 1024 * 4096 + 1024 * 2),  # int8; bf16 scale per channel
+])
+def test_floor_counts_the_stored_weight_and_scales(fmt, weight_bytes):
+    case = bench_gemm.GemmCase("qwen3_8b", "kv", 8, 4096, 1024, "bias", torch.bfloat16, fmt)
+    assert case.weight_bytes == weight_bytes
+    assert case.min_bytes == weight_bytes + (8 * 4096 + 8 * 1024 + 1024) * 2  # x, output and bias in bf16
+
+
+def test_a_variant_that_cannot_run_at_some_m_is_recorded_with_its_reason(monkeypatch):
+    """As cuBLAS's blockwise ``_scaled_mm`` refuses an M that is not a multiple of 4: the row keeps the
+    reason, the other variants and rows are measured, and the summaries leave the row out."""
+    def refusing_at_odd_m(variant, module, device):
+        def run(x, residual):
+            if x.shape[0] % 4:
+                raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+            return module(x, residual)
+        return run if variant == "compile" else module
+
+    monkeypatch.setattr(bench_gemm, "compile_variant", refusing_at_odd_m)
+    ceilings, timing = bench_gemm.Ceilings(1e10, 1e12), bench_gemm.PRESETS["smoke"].timing
+    rows = []
+    for m in (3, 4):
+        case = bench_gemm.GemmCase("tiny", "tiny", m, 256, 256, "bias", torch.float32, "fp8_block")
+        with torch.no_grad():
+            rows.append(bench_gemm.run_case(case, ("eager", "compile"), ceilings, timing, torch.device("cpu"), 1))
+    assert rows[0]["times_us"]["compile"] is None and "CUBLAS_STATUS_NOT_SUPPORTED" in rows[0]["errors"]["compile"]
+    assert rows[0]["times_us"]["eager"] > 0 and rows[1]["times_us"]["compile"] > 0 and not rows[1]["errors"]
+    assert bench_gemm.error_lines(rows) == ["- compile (1 rows, M = 3): `RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED`"]
+    assert [bench_gemm.format_time(row, "compile") for row in rows] == ["err", f"{rows[1]['times_us']['compile']:.1f}"]
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory) -> dict:
+    """``--smoke`` of the new formats, with one M above the decode range (the summaries' other half)."""
+    tmp = tmp_path_factory.mktemp("bench_gemm")
+    env = {**os.environ,
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor"),
+           "HELION_INDUCTOR_CACHE_DIR": str(tmp / "backend")}
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gemm.py"), "--smoke",
+                             "--quant", ",".join(NEW_FORMATS), "--epilogues", "bias_gelu_tanh", "--m", "1,40",
+                             "--out-dir", str(tmp / "out")],
+                            capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return {"json": tmp / "out" / "cpu_quant.json", "markdown": (tmp / "out" / "cpu_quant.md").read_text()}
+
+
+def test_smoke_run_measures_int4_and_block_fp8_with_their_prologues(smoke_run):
+    data = json.loads(smoke_run["json"].read_text())
+    plan = bench_gemm.PRESETS["smoke"]
+    assert data["metadata"]["quants"] == ["fp8_block", "int4_weight_only"]  # QUANT_FORMATS' order
+    assert data["metadata"]["complete"] and not data["metadata"]["skipped"]
+    assert sorted((row["quant"], row["m"]) for row in data["rows"]) == [
+        (fmt, m) for fmt in sorted(NEW_FORMATS) for m in (1, 40)]
+    for row in data["rows"]:
+        assert not row["errors"], row["errors"]
+        assert all(bench_gemm.row_is_correct(row, variant) for variant in plan.variants), row["rel_err"]
+        prologue = ", ".join(PROLOGUE_OF[row["quant"]])
+        assert row["helion_sites"].startswith(f"reference [{prologue}]"), row["helion_sites"]
+    table = smoke_run["markdown"]
+    assert "| format | vs compile, M <= 32, geomean |" in table
+    assert all(f"\n| {fmt} | " in table and f"### {fmt} " in table for fmt in NEW_FORMATS)
+    assert "(>= 1.5x)" in table  # block fp8's target
+
+
+def _rerun(data: dict, command: str, variants: dict[str, float], quant: str | None = None) -> dict:
+    """``data`` as if measured again by ``command``: only ``variants`` (with those times), and with
+    ``quant`` for the rows' format if given."""
+    rerun = copy.deepcopy(data)
+    rerun["metadata"] = {**rerun["metadata"], "command": command, "variants": list(variants)}
+    if quant:
+        rerun["metadata"]["quants"] = [quant]
+    for row in rerun["rows"]:
+        row["quant"] = quant or row["quant"]
+        row["times_us"] = dict(variants)
+        for field in ("errors", "rel_err", "compile_s"):
+            row[field] = {v: x for v, x in row[field].items() if v in variants}
+    return rerun
+
+
+def test_merge_adds_formats_and_variants_to_a_result_file(smoke_run, tmp_path):
+    """A run of some formats merged into a file keeps the file's other formats; a run of some variants
+    replaces those variants only; a merged file merged again still lists every run it came from."""
+    first = json.loads(smoke_run["json"].read_text())
+    files = {"first": first, "other_format": _rerun(first, "other format", {"eager": 1.0, "compile": 2.0,
+                                                                            bench_gemm.HELION: 0.5}, "fp8_dynamic"),
+             "compile_again": _rerun(first, "compile again", {"compile": 7.0})}
+    for name, data in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    merged_path = bench_gemm.merge_results([tmp_path / "first.json", tmp_path / "other_format.json"], tmp_path / "m1")
+    merged_path = bench_gemm.merge_results([merged_path, tmp_path / "compile_again.json"], tmp_path / "m2")
+    merged = json.loads(merged_path.read_text())
+
+    assert merged["metadata"]["quants"] == ["fp8_dynamic", "fp8_block", "int4_weight_only"]
+    assert merged["metadata"]["merged_from"] == [first["metadata"]["command"], "other format", "compile again"]
+    assert merged["metadata"]["tolerance"] == max(bench_gemm.QUANT_TOLERANCES[q] for q in merged["metadata"]["quants"])
+    rows = {(row["quant"], row["m"]): row for row in merged["rows"]}
+    assert len(rows) == 3 * 2
+    before = {(row["quant"], row["m"]): row for row in first["rows"]}
+    for key, row in rows.items():
+        if key in before:  # compile measured again; eager and helion_inductor as the first run measured them
+            assert row["times_us"]["compile"] == 7.0, key
+            assert row["times_us"]["eager"] == before[key]["times_us"]["eager"], key
+            assert row["helion_sites"] == before[key]["helion_sites"], key
+        else:
+            assert row["times_us"] == {"eager": 1.0, "compile": 2.0, bench_gemm.HELION: 0.5}, key
+    assert "| fp8_dynamic | " in merged_path.with_suffix(".md").read_text()
+
+
+def test_merge_refuses_results_of_another_suite(smoke_run, tmp_path):
+    other = json.loads(smoke_run["json"].read_text())
+    other["metadata"]["quants"] = []
+    (tmp_path / "bf16.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="different devices, dtypes or suites"):
+        bench_gemm.merge_results([smoke_run["json"], tmp_path / "bf16.json"], tmp_path / "out")
