@@ -41,10 +41,12 @@ def _site(node: fx.Node) -> AttentionSite | None:
         return None
     arguments = _arguments(node)
     mask, kind = _mask(arguments.get(SDPA_OPS[node.target]))
-    scale = arguments.get("scale")
+    scale, head_dim = arguments.get("scale"), q.shape[-1]
+    if scale is None:  # SDPA's default; a symbolic head dimension is refused by _unsupported
+        scale = 1.0 / math.sqrt(head_dim) if isinstance(head_dim, int) else math.nan
     return AttentionSite(
         node=node, output=outputs[0], query=node.args[0], key=node.args[1], value=node.args[2], mask=mask,
-        mask_kind=kind, scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale),
+        mask_kind=kind, scale=float(scale),
         shape=(*q.shape[:3], k.shape[2], q.shape[3]) if q.ndim == 4 and k.ndim == 4 else tuple(q.shape),
         dtype=q.dtype,
     )
