@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-from . import BACKEND_NAME
+from . import BACKEND_NAME, code_cache
 from . import report as reports
 from .options import BackendOptions
 from .passes.manager import HelionPassManager
@@ -36,6 +36,7 @@ def helion_inductor(
 ) -> Callable[..., Any]:
     """Compile a Dynamo graph: Inductor plus the GEMM-epilogue fusion pipeline."""
     opts = BackendOptions.from_user(options)
+    code_cache.configure(opts)
     manager = HelionPassManager(opts)
     patches = _inductor_config(mode, opts, example_inputs)
     pristine = _copy_graph_module(gm) if _has_symbolic_inputs(example_inputs) else None

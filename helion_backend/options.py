@@ -10,6 +10,7 @@ from typing import Any, Mapping
 
 DEBUG_DIR_ENV = "HELION_INDUCTOR_DEBUG_DIR"
 CACHE_DIR_ENV = "HELION_INDUCTOR_CACHE_DIR"
+CODE_CACHE_ENV = "HELION_INDUCTOR_CODE_CACHE"
 
 
 def _default_cache_dir() -> str:
@@ -44,7 +45,13 @@ class BackendOptions:
     debug_dir: str | None = field(default_factory=lambda: os.environ.get(DEBUG_DIR_ENV) or None)
     """Write per-graph dumps and ``report.json`` here (also set by $HELION_INDUCTOR_DEBUG_DIR)."""
     cache_dir: str = field(default_factory=_default_cache_dir)
-    """What outlives a process: reports of cached graphs, the manifest of Helion sites, user-tuned configs."""
+    """What outlives a process: reports of cached graphs, the manifest of Helion sites, user-tuned configs,
+    Helion's generated kernel code."""
+    code_cache: bool = field(default_factory=lambda: os.environ.get(CODE_CACHE_ENV, "1") != "0")
+    """Keep Helion's generated code in ``<cache_dir>/kernels``, so that a new process launches a kernel without
+    tracing it again (0.3-0.5 s a kernel signature); $HELION_INDUCTOR_CODE_CACHE=0 turns it off. Kernels compile
+    when they first run, so this and ``cache_dir`` apply process-wide: each compile sets them for the kernels
+    launched after it (:mod:`helion_backend.code_cache`)."""
     inductor_config: Mapping[str, Any] = field(default_factory=dict)
     """Extra ``torch._inductor.config`` patches, applied after the ``mode``'s."""
 
@@ -70,6 +77,7 @@ class BackendOptions:
     def _check_types(self) -> None:
         expected = {
             "builtin_rules": bool,
+            "code_cache": bool,
             "merge_siblings": bool,
             "rewrite_on_cpu": bool,
             "max_helion_size": int,
@@ -96,10 +104,17 @@ class BackendOptions:
         """The sites compiles sent to Helion (``manifest.json``), for ``python -m helion_backend tune``."""
         return str(Path(self.cache_dir) / "manifest.json")
 
+    @property
+    def code_cache_dir(self) -> str | None:
+        """Helion's generated code, one JSON file per kernel signature (:mod:`helion_backend.code_cache`);
+        None when the code cache is off."""
+        return str(Path(self.cache_dir) / "kernels") if self.code_cache else None
+
     def fingerprint(self) -> dict[str, Any]:
-        """What of the options changes the rewrite (the debug folder does not)."""
+        """What of the options changes the rewrite (the folders and the code cache do not)."""
         values = dataclasses.asdict(self)
         values.pop("debug_dir")
         values.pop("cache_dir")
+        values.pop("code_cache")
         values["inductor_config"] = sorted((k, repr(v)) for k, v in self.inductor_config.items())
         return values

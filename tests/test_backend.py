@@ -96,6 +96,27 @@ def test_uuid_covers_rules_options_and_version(tmp_path):
     assert debug_only.uuid() == HelionPassManager(BackendOptions.from_user({"rules": [str(rule)]})).uuid()
 
 
+def test_code_cache_follows_the_options_of_the_latest_compile_and_the_env_var(tmp_path, monkeypatch):
+    """Kernels compile when they first run, so each compile points the code cache at its options'."""
+    from helion_backend import code_cache
+
+    try:
+        helion_backend.helion_inductor(torch.fx.symbolic_trace(lambda x: x.t()), [randn(2, 2)],
+                                       options={"cache_dir": str(tmp_path)})
+        assert code_cache.directory() == tmp_path / "kernels"
+        helion_backend.helion_inductor(torch.fx.symbolic_trace(lambda x: x.t()), [randn(2, 2)],
+                                       options={"cache_dir": str(tmp_path), "code_cache": False})
+        assert code_cache.directory() is None
+    finally:
+        code_cache.configure(BackendOptions())
+    # Not part of the rewrite: the FX graph cache's key stays.
+    assert HelionPassManager(BackendOptions(code_cache=False)).uuid() == HelionPassManager(BackendOptions()).uuid()
+    with pytest.raises(TypeError, match="code_cache"):
+        BackendOptions.from_user({"code_cache": "off"})
+    monkeypatch.setenv("HELION_INDUCTOR_CODE_CACHE", "0")
+    assert BackendOptions().code_cache_dir is None
+
+
 CACHE_PROGRAM = """
 import json, sys, torch, torch.nn.functional as F
 import helion_backend

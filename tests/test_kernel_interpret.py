@@ -7,6 +7,8 @@ tests only (see ``_interpreter_fixes``).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 
 import numpy as np
@@ -562,3 +564,132 @@ def test_decode_attention_default_config_fills_the_gpu(batch_heads, kv_len, spli
     from helion_backend.kernels.attention import default_config
 
     assert default_config(batch_heads, 4, kv_len)["split_kv"] == split
+
+
+# --------------------------------------------------------------------------------------------------
+# The code cache (helion_backend/code_cache.py): a later process loads the generated code instead of binding.
+
+CACHE_CASE = (4, 64, 48, torch.float32, "nk", ("bias", "relu"))  # m, k, n, dtype, layout, steps
+
+
+@pytest.fixture
+def code_cache_dir(tmp_path, monkeypatch):
+    """An empty code cache and a fresh process for the test; the process's own cache again afterwards."""
+    from helion_backend import code_cache
+    from helion_backend.options import BackendOptions
+
+    new_process(monkeypatch)
+    code_cache.configure(BackendOptions(cache_dir=str(tmp_path)))
+    yield tmp_path / "kernels"
+    code_cache.configure(BackendOptions())
+
+
+def new_process(monkeypatch) -> None:
+    """What a new process starts from: no compiled kernel in memory, no bound kernel, no imported module."""
+    from torch._inductor.codecache import PyCodeCache
+
+    monkeypatch.setattr(gemm, "_COMPILED", {})
+    monkeypatch.setattr(PyCodeCache, "modules_no_attr", {})
+    gemm.gemm_kernel.reset()
+    gemm.epilogue_kernel.reset()
+
+
+def recorded_binds(monkeypatch) -> list[str]:
+    """The names of the kernels bound from now on (Helion traces a kernel when it binds it)."""
+    binds, bind = [], helion.Kernel.bind
+
+    def recording(self, args):
+        binds.append(self.name)
+        return bind(self, args)
+
+    monkeypatch.setattr(helion.Kernel, "bind", recording)
+    return binds
+
+
+def test_a_new_process_runs_the_stored_code_without_binding(code_cache_dir, monkeypatch):
+    """Split-K stores both kernels; a new process, where binding fails, loads them and computes the right
+    result on fresh inputs."""
+    steps = ("bias", "silu", "residual")
+    run(5, 300, 40, torch.float32, "nk", steps, 2)
+    assert sorted(p.name.split("-")[0] for p in code_cache_dir.iterdir()) == ["epilogue_kernel", "gemm_kernel"]
+    new_process(monkeypatch)
+
+    def no_bind(self, args):
+        raise AssertionError(f"{self.name} was bound")
+
+    monkeypatch.setattr(helion.Kernel, "bind", no_bind)
+    out, ref = run(5, 300, 40, torch.float32, "nk", steps, 2)
+    assert rel_err(out, ref) <= TOLERANCE[torch.float32]
+
+
+def test_another_signature_or_config_misses(code_cache_dir, monkeypatch):
+    m, k, n, dtype, layout, steps = CACHE_CASE
+    run(*CACHE_CASE, 1)
+    new_process(monkeypatch)
+    binds = recorded_binds(monkeypatch)
+    run(*CACHE_CASE, 1)
+    assert binds == []
+    run(m + 1, k, n, dtype, layout, steps, 1)  # shape
+    run(m, k, n, dtype, "kn", steps, 1)  # strides
+    run(m, k, n, dtype, layout, ("bias", "sigmoid"), 1)  # epilogue
+    run(*CACHE_CASE, 1, config=helion.Config(block_sizes=[16, 16, 32], num_warps=4, num_stages=1, split_k=1))
+    assert binds == ["gemm_kernel"] * 4
+    assert len(list(code_cache_dir.iterdir())) == 5
+
+
+def test_the_key_covers_the_sources_versions_device_and_settings(code_cache_dir):
+    import triton
+
+    from helion_backend import code_cache
+    from helion_backend.passes.manager import package_digest
+
+    x = torch.randn(2, 8)
+    key = code_cache.entry(gemm.gemm_kernel, ("gemm_kernel", "signature"), (x,)).key
+    for part in (package_digest(), code_cache._helion_digest(), triton.__version__, torch.__version__,
+                 "('device', ('cpu',))", "('dot_precision', \"'ieee'\")"):
+        assert part in key
+    assert "autotune_random_seed" not in key  # autotuning's settings differ between processes
+
+
+def _damage(text: str, how: str) -> str:
+    entry = json.loads(text)
+    if how == "truncated":
+        return text[: len(text) // 2]
+    if how == "edited_source":  # the checksum no longer matches: never run code that is not what was stored
+        entry["source"] = entry["source"].replace("maximum", "minimum")
+    elif how == "unloadable_source":
+        entry["source"] = "def gemm_kernel(:\n"
+        entry["sha256"] = hashlib.sha256(entry["source"].encode()).hexdigest()
+    elif how == "other_key":
+        entry["key"] += " "
+    return json.dumps(entry)
+
+
+@pytest.mark.parametrize("how", ["truncated", "edited_source", "unloadable_source", "other_key"])
+def test_a_damaged_entry_warns_binds_and_is_replaced(code_cache_dir, monkeypatch, caplog, how):
+    run(*CACHE_CASE, 1)
+    (path,) = code_cache_dir.iterdir()
+    path.write_text(_damage(path.read_text(), how))
+    new_process(monkeypatch)
+    binds = recorded_binds(monkeypatch)
+    with caplog.at_level("WARNING", logger="helion_backend.code_cache"):
+        out, ref = run(*CACHE_CASE, 1)
+    assert rel_err(out, ref) <= TOLERANCE[torch.float32]
+    assert binds == ["gemm_kernel"] and f"ignoring the kernel code cache entry {path}" in caplog.text
+    new_process(monkeypatch)
+    run(*CACHE_CASE, 1)
+    assert binds == ["gemm_kernel"]  # the fresh entry replaced the damaged one
+
+
+def test_the_code_cache_can_be_turned_off(code_cache_dir, monkeypatch):
+    from helion_backend import code_cache
+    from helion_backend.options import BackendOptions
+
+    run(*CACHE_CASE, 1)
+    code_cache.configure(BackendOptions(cache_dir=str(code_cache_dir.parent), code_cache=False))
+    new_process(monkeypatch)
+    binds = recorded_binds(monkeypatch)
+    run(*CACHE_CASE, 1)
+    m, k, n, dtype, layout, steps = CACHE_CASE
+    run(m + 1, k, n, dtype, layout, steps, 1)
+    assert binds == ["gemm_kernel"] * 2 and len(list(code_cache_dir.iterdir())) == 1

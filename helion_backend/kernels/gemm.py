@@ -27,6 +27,8 @@ import helion.language as hl
 import torch
 from helion.autotuner import PowerOfTwoFragment
 
+from .. import code_cache
+
 # Device code reaches ``apply_epilogue`` as an attribute of this module object, never as a bare name:
 # Helion replaces the globals of any function it traces by name with fakes, and the step table that
 # ``apply_epilogue`` reads holds Enum members it cannot fake. A module attribute is taken as is, so the
@@ -337,7 +339,7 @@ def check_family_steps(steps: tuple[str, ...], family: str) -> None:
                          f"kernel, not in {family}")
 
 
-# (kernel name, signature, config) -> compiled host function of the kernel.
+# (kernel name, signature, config, splits) -> compiled host function of the kernel.
 _COMPILED: dict[Hashable, Callable[..., None]] = {}
 
 
@@ -367,7 +369,8 @@ def record_launches() -> Iterator[list[Launch]]:
 def compiled_kernel(
     kernel: helion.Kernel, args: tuple[object, ...], sig: Hashable, config: helion.Config, splits: int
 ) -> Callable[..., None]:
-    """Compile ``kernel`` for ``args`` under ``config`` once; later calls skip Helion's binding.
+    """Compile ``kernel`` for ``args`` under ``config`` once; later calls skip Helion's binding, and so
+    do later processes where the code cache holds the kernel.
 
     ``compile_config`` compiles exactly the given config and never autotunes. ``splits`` (the number
     of workspace slices) is part of the key: the finishing pass runs one config for every split-K
@@ -378,13 +381,28 @@ def compiled_kernel(
     key = (kernel.name, sig, config, splits)
     run = _COMPILED.get(key)
     if run is None:
-        try:
-            run = _COMPILED[key] = kernel.bind(args).compile_config(config)
-        except Exception:
-            # Drop the half-built bound kernel Helion cached for these arguments: it must not keep the
-            # call's output alive (under CUDA graph trees that output sits in the graph's memory pool).
-            kernel.reset()
-            raise
+        run = _COMPILED[key] = _load_or_compile(kernel, args, key, config)
+    return run
+
+
+def _load_or_compile(
+    kernel: helion.Kernel, args: tuple[object, ...], key: Hashable, config: helion.Config
+) -> Callable[..., None]:
+    """The host function from the code cache (:mod:`helion_backend.code_cache`), else compiled by binding
+    ``args`` and then stored for the next process."""
+    entry = code_cache.entry(kernel, key, args)
+    if entry is not None and (run := entry.load()) is not None:
+        return run
+    try:
+        bound = kernel.bind(args)
+        run = bound.compile_config(config)
+    except Exception:
+        # Drop the half-built bound kernel Helion cached for these arguments: it must not keep the
+        # call's output alive (under CUDA graph trees that output sits in the graph's memory pool).
+        kernel.reset()
+        raise
+    if entry is not None:
+        entry.store(bound.get_cached_path(config))
     return run
 
 
