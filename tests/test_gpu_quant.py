@@ -65,6 +65,7 @@ def test_fused_quantized_linear_matches_the_unfused_graph(fmt, m):
     (site,) = sites(helion_backend.get_reports())
     assert site.kernel == FAMILIES[fmt]
     assert site.runs_on == ("helion" if m <= 32 else "inductor"), site.why
+    assert not site.fallbacks, site.fallbacks  # the numerics above would also pass on the unfused reference
     if m <= 32:
         assert site.prologue == PROLOGUES[fmt]
         assert "gelu_tanh" in site.epilogue and site.epilogue[-1] == "residual", site.epilogue
@@ -175,6 +176,7 @@ def test_block_fp8_scaled_mm_runs_as_the_block_fp8_kernel(m, bias, gelu):
     assert (site.kernel, site.prologue) == (FAMILIES["fp8_block"], PROLOGUES["fp8_block"]), site
     assert site.epilogue == ["bias"] * bias + ["gelu_tanh"] * gelu, site.epilogue
     assert site.runs_on == ("helion" if m <= 32 else "inductor"), site.why
+    assert not site.fallbacks, site.fallbacks
 
 
 @pytest.mark.parametrize("dynamic", [None, True], ids=["mark_dynamic", "dynamic_true"])

@@ -333,10 +333,12 @@ def fp8_exact_activation(m: int, k: int, group: int) -> torch.Tensor:
     return (values.reshape(m, k // group, group) * torch.exp2(exponents)[..., None]).reshape(m, k)
 
 
+@pytest.mark.parametrize("m", [1, 5])
 @pytest.mark.parametrize("split_k", [1, 2])
-def test_block_fp8_kernel_scales_each_block_product(split_k):
+def test_block_fp8_kernel_scales_each_block_product(split_k, m):
     """Per-group activation scales and per-block weight scales applied to each 128-wide block's fp8
-    product; K = 640 gives five groups (split-K: 512 + 128), N = 256 two weight blocks along N."""
+    product; K = 640 gives five groups (split-K: 512 + 128), N = 256 two weight blocks along N. One row
+    runs as two (Helion 1.4 cannot compile the group amax of one), the residual's row with it."""
     import torch.nn as nn
 
     from helion_backend.dispatch import dequantize_block_fp8, reference
@@ -346,17 +348,18 @@ def test_block_fp8_kernel_scales_each_block_product(split_k):
 
     torch.manual_seed(split_k)
     layer = BlockFp8Linear.from_linear(nn.Linear(640, 256))
-    x = fp8_exact_activation(5, 640, FP8_BLOCK)
+    x = fp8_exact_activation(m, 640, FP8_BLOCK)
     (site,) = trace_sites(layer, x)
     assert site.prologue[0].name == "quant_fp8_per_group", site.prologue
-    steps, operands = ("bias", "relu"), [layer.bias]
+    steps, operands = ("bias", "residual", "relu"), [layer.bias, torch.randn(m, 256)]
     config = helion.Config(block_sizes=[16, 32], num_warps=4, num_stages=1, split_k=split_k)
     out = block_fp8_gemm_helion(x, layer.qweight.t(), layer.weight_scale, steps, operands, [], torch.float32,
                                 site.quant_program, config=config)
+    assert out.shape == (m, 256) and out.is_contiguous()
     x_dq, w_kn = dequantize_block_fp8(x, site.quant_program, layer.qweight, layer.weight_scale)
     assert torch.equal(x_dq, x)  # the activation was chosen so that its quantization is exact
     assert rel_err(out, reference(x_dq, w_kn, steps, operands, [], torch.float64)) <= 1e-5
-    assert rel_err(out, torch.relu(layer(x)).double()) <= 1e-5
+    assert rel_err(out, torch.relu(layer(x) + operands[1]).double()) <= 1e-5
 
 
 # --------------------------------------------------------------------------------------------------

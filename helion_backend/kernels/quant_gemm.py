@@ -387,6 +387,16 @@ def block_fp8_gemm_helion(
     """``epilogue(x @ w)`` for block fp8, as a contiguous [M, N] ``out_dtype`` tensor: the float activation
     ``x`` [M, K] quantized per 1 x B group by ``program`` in the kernel, the fp8 weight ``w_kn`` [K, N]
     (a view of the [N, K] one) with ``block_scales`` [N/B, K/B]. The config's K block is ignored: it is B."""
+    if x.shape[0] == 1:
+        # Helion 1.4 cannot lower the per-group amax of a single row (a reduction over the constant K block
+        # of a [1, B] tile fails an assertion), and the call would fall back to the unfused reference: run
+        # the row twice (stride-0 views, nothing copied) and keep one.
+        def twice(t: torch.Tensor) -> torch.Tensor:
+            return t.expand(2, *t.shape[1:])
+
+        out = block_fp8_gemm_helion(twice(x), w_kn, block_scales, steps, [op if op.ndim == 1 else twice(op)
+                                    for op in operands], scalars, out_dtype, program, config, config_dir)
+        return out[:1]
     steps, operands, scalars = tuple(steps), list(operands), [float(s) for s in scalars]
     _check_block_fp8_inputs(x, w_kn, block_scales, program)
     sig = Signature(Layout.of(x), Layout.of(w_kn), tuple(map(Layout.of, operands)), len(scalars), steps, out_dtype)
