@@ -164,7 +164,8 @@ def run_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
 
         if _try_helion(site, rows, lambda: decode_attention_helion(q, k, v, mask, scale, out=out)) is not None:
             return out
-    return out.copy_(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale))
+    return out.copy_(torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]))
 
 
 def _runs_helion(x: torch.Tensor, max_helion_m: int, site: str) -> bool:

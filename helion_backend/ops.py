@@ -114,8 +114,9 @@ def decode_attention(
     out_stride: list[int],
     site: str,
 ) -> torch.Tensor:
-    """``scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)`` for a few query rows
-    per head ([B, H, R, D] over a [B, H, L, D] cache): the Helion decode kernel on CUDA, SDPA elsewhere.
+    """``scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)`` for a
+    few query rows per head ([B, H, R, D] over a [B, H_kv, L, D] cache, H_kv dividing H): the Helion decode
+    kernel on CUDA, SDPA elsewhere.
     ``mask`` is None, boolean (True attends) or an additive float bias broadcasting to [B, H, R, L]. The
     result has the strides ``out_stride`` of the node it replaces (the graph's views of it were traced
     with them). ``site`` names the node in the report, for the warning if the kernel fails."""

@@ -39,6 +39,7 @@ class AttentionReport:
     op: str
     batch: int | str
     heads: int | str
+    kv_heads: int | str  # fewer than ``heads`` with grouped-query attention
     rows: int | str  # query rows per head (the query length)
     kv_len: int | str
     head_dim: int | str
@@ -51,7 +52,8 @@ class AttentionReport:
     def summary(self) -> str:
         where = self.runs_on + (f" ({self.why})" if self.why else "")
         return (f"  [decode_attention] {self.node}: {self.op.split('.')[1]} B={self.batch} H={self.heads} "
-                f"rows={self.rows} L={self.kv_len} D={self.head_dim} {self.dtype} mask={self.mask} -> {where}")
+                f"H_kv={self.kv_heads} rows={self.rows} L={self.kv_len} D={self.head_dim} {self.dtype} "
+                f"mask={self.mask} -> {where}")
 
 
 @dataclass

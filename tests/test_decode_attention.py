@@ -74,6 +74,33 @@ def test_a_boolean_mask_written_as_a_bias_is_read_as_the_boolean(spelling):
     assert [a.mask for a in attention_reports(reports)] == ["bool"]
 
 
+def repeat_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """Hugging Face's repeat_kv: each key/value head repeated for the query heads of its group."""
+    b, h_kv, length, d = t.shape
+    return t[:, :, None, :, :].expand(b, h_kv, groups, length, d).reshape(b, h_kv * groups, length, d)
+
+
+@pytest.mark.parametrize("spelling", ["repeat_kv", "enable_gqa"])
+def test_grouped_query_attention_reads_each_cache_once(spelling, tmp_path, no_compile_caches):
+    """4 query heads over 2 key/value heads: keys and values repeated by the model (repeat_kv) are read before
+    the repeat, as SDPA's own enable_gqa form is; the repeat is gone from the graph."""
+
+    def grouped(q, k, v, mask):
+        if spelling == "repeat_kv":
+            return F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), attn_mask=mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    q, _, _, mask, _ = inputs(1, "bool")
+    k, v = torch.randn(B, H // 2, L, D), torch.randn(B, H // 2, L, D)
+    out, reports = compile_run(grouped, q, k, v, mask, options={**CPU_REWRITE, "debug_dir": str(tmp_path)})
+    expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, enable_gqa=True)
+    assert rel_err(out, expected) <= helpers.TOLERANCE[torch.float32]
+    (site,) = attention_reports(reports)
+    assert (site.heads, site.kv_heads, site.runs_on) == (H, H // 2, "reference"), site.summary()
+    after = next(tmp_path.glob("*/after.py")).read_text()
+    assert "aten.expand" not in after and "aten.clone" not in after, after
+
+
 def test_a_site_reads_through_other_graph_users_of_the_mask():
     """Two attention nodes of one mask (two layers) both become decode ops and both stay right."""
 

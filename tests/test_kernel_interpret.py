@@ -547,6 +547,24 @@ def test_decode_attention_kernel_matches_float64(rows, dtype, mask_kind, split_k
     assert rel_err(out, ref) <= ATTENTION_TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("rows, out_layout", [(1, "contiguous"), (3, "rows_outer")])
+def test_decode_attention_kernel_grouped_query_heads(rows, out_layout):
+    """6 query heads over 2 key/value heads: a key/value head's 3 query heads (x rows) are its kernel rows.
+    Three rows with a per-row mask make the mask's grouped view a copy, and an output stored [B, R, H, D]
+    cannot be viewed grouped: the result is copied into it."""
+    from helion_backend.kernels.attention import decode_attention_helion
+
+    q = torch.randn(2, 6, rows, 32, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 150, 32, dtype=torch.bfloat16) for _ in range(2))
+    keep = torch.rand(2, 1, rows, 150) < 0.7
+    out = torch.empty(2, rows, 6, 32, dtype=torch.bfloat16).transpose(1, 2) if out_layout == "rows_outer" else None
+    config = helion.Config(block_sizes=[32, 16], split_kv=2, num_warps=4, num_stages=1)
+    got = decode_attention_helion(q, k, v, keep, config=config, out=out)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=keep, enable_gqa=True)
+    assert got.shape == ref.shape and (out is None or got is out)
+    assert rel_err(got, ref) <= ATTENTION_TOLERANCE[torch.bfloat16]
+
+
 @pytest.mark.parametrize("split_kv", [1, 4])
 def test_decode_attention_row_with_nothing_to_attend_is_zero(split_kv):
     """As PyTorch's attention (its safe softmax): zeros, not NaN, from one chunk or from several."""

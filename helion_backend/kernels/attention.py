@@ -131,9 +131,9 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
         raise ValueError(f"expected 4-D q, k, v [B, H, rows, D], got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
     b, h, _, d = q.shape
-    if k.shape[:2] != (b, h) or k.shape[3] != d or v.shape != k.shape:
-        raise ValueError(f"k and v must be [{b}, {h}, L, {d}] (one head per query head), got {tuple(k.shape)} "
-                         f"and {tuple(v.shape)}")
+    if k.shape[0] != b or k.shape[1] == 0 or h % k.shape[1] or k.shape[3] != d or v.shape != k.shape:
+        raise ValueError(f"k and v must be [{b}, H_kv, L, {d}] with H_kv dividing the {h} query heads, got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
     if q.dtype not in ATTENTION_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k and v must share one of {ATTENTION_DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}")
     if d > ATTENTION_MAX_HEAD_DIM:  # the [rows, D] accumulator and q tile live in registers
@@ -151,22 +151,47 @@ def decode_attention_helion(
     config: helion.Config | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)`` as a [B, H, R, D] tensor of q's
-    dtype, written into ``out`` (any strides) when given: ``mask`` is None, boolean (True attends) or an
-    additive float bias, any shape that broadcasts to [B, H, R, L]; ``scale`` defaults to ``1/sqrt(D)``."""
+    """``scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)`` as a
+    [B, H, R, D] tensor of q's dtype, written into ``out`` (any strides) when given: ``mask`` is None,
+    boolean (True attends) or an additive float bias, any shape that broadcasts to [B, H, R, L]; ``scale``
+    defaults to ``1/sqrt(D)``. With fewer key/value heads than query heads (grouped-query attention), the
+    query heads of one key/value head are its rows, so each cache is read once."""
     check_inputs(q, k, v, mask)
     b, h, r, d = q.shape
-    kv_len = k.shape[2]
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    mask = None if mask is None else mask.expand(b, h, r, kv_len)
-    bias, keep = (mask, None) if mask is not None and mask.dtype.is_floating_point else (None, mask)
-    config = config or default_config(b * h, r, kv_len)
-    splits = helion.cdiv(kv_len, chunk_size(kv_len, config.get("split_kv", 1)))
     if out is None:
         out = torch.empty((b, h, r, d), dtype=q.dtype, device=q.device)
     elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, got {tuple(out.shape)} "
                          f"{out.dtype} on {out.device}")
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    rows = h // kv_heads * r  # [B, H, R] query rows as [B, H_kv, H / H_kv * R]
+    mask = None if mask is None else mask.expand(b, h, r, kv_len).reshape(b, kv_heads, rows, kv_len)
+    grouped_out = _view_or_none(out, (b, kv_heads, rows, d))
+    result = grouped_out if grouped_out is not None else out.new_empty((b, kv_heads, rows, d))
+    _launch(q.reshape(b, kv_heads, rows, d), k, v, mask, 1.0 / math.sqrt(d) if scale is None else float(scale),
+            config, result)
+    if grouped_out is None:
+        out.copy_(result.view(b, h, r, d))
+    return out
+
+
+def _view_or_none(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """``t`` seen as ``shape`` without a copy, or None where its strides do not allow it."""
+    try:
+        return t.view(shape)
+    except RuntimeError:
+        return None
+
+
+def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+            config: helion.Config | None, out: torch.Tensor) -> None:
+    """The kernel (and with a split cache, the combine) on q [B, H, R, D] against k, v [B, H, L, D] into
+    ``out`` [B, H, R, D]; ``mask`` is [B, H, R, L] (broadcast views)."""
+    b, h, r, d = q.shape
+    kv_len = k.shape[2]
+    bias, keep = (mask, None) if mask is not None and mask.dtype.is_floating_point else (None, mask)
+    config = config or default_config(b * h, r, kv_len)
+    splits = helion.cdiv(kv_len, chunk_size(kv_len, config.get("split_kv", 1)))
     target = out.unsqueeze(0) if splits == 1 else q.new_empty((splits, b, h, r, d), dtype=torch.float32)
     lse = q.new_empty((splits, b, h, r), dtype=torch.float32)
     sig = AttentionSignature(*(None if t is None else Layout.of(t) for t in (q, k, v, bias, keep, out)))
@@ -175,4 +200,3 @@ def decode_attention_helion(
     if splits > 1:
         combine_args = (target, lse, out)
         compiled_kernel(combine_kernel, combine_args, sig, COMBINE_CONFIG, splits)(*combine_args)
-    return out

@@ -4,7 +4,9 @@ A node with at most ``decode_attention_max_rows`` query rows per head (a decode 
 decode kernel (:mod:`helion_backend.kernels.attention`) on CUDA; longer queries (prefill), training
 graphs (which read the log-sum-exp), dropout, ``is_causal`` and dynamic shapes keep the kernel PyTorch
 chose, with the reason in the report. A boolean mask that the graph turned into an additive bias
-(``where(mask, 0, -inf)``) is read as the boolean itself, so that the bias is never materialized.
+(``where(mask, 0, -inf)``) is read as the boolean itself, so that the bias is never materialized, and
+keys and values repeated for every query head of their group (``repeat_kv``: unsqueeze, expand, clone,
+reshape) are read before the repeat: the kernel takes a key/value head's query heads as its rows.
 """
 
 from __future__ import annotations
@@ -40,14 +42,20 @@ def _site(node: fx.Node) -> AttentionSite | None:
     if len(outputs) != 1 or q is None or k is None or v is None:
         return None
     arguments = _arguments(node)
+    key, value = node.args[1], node.args[2]
+    unrepeated = _unrepeated(key), _unrepeated(value)
+    if None not in unrepeated and val(unrepeated[0]).shape == val(unrepeated[1]).shape:
+        key, value = unrepeated
+        k = val(key)
     mask, kind = _mask(arguments.get(SDPA_OPS[node.target]))
     scale, head_dim = arguments.get("scale"), q.shape[-1]
     if scale is None:  # SDPA's default; a symbolic head dimension is refused by _unsupported
         scale = 1.0 / math.sqrt(head_dim) if isinstance(head_dim, int) else math.nan
     return AttentionSite(
-        node=node, output=outputs[0], query=node.args[0], key=node.args[1], value=node.args[2], mask=mask,
+        node=node, output=outputs[0], query=node.args[0], key=key, value=value, mask=mask,
         mask_kind=kind, scale=float(scale),
-        shape=(*q.shape[:3], k.shape[2], q.shape[3]) if q.ndim == 4 and k.ndim == 4 else tuple(q.shape),
+        shape=(*q.shape[:2], k.shape[1], q.shape[2], k.shape[2], q.shape[3]) if q.ndim == 4 and k.ndim == 4
+        else tuple(q.shape),
         dtype=q.dtype,
     )
 
@@ -63,6 +71,28 @@ def _arguments(node: fx.Node) -> dict[str, Any]:
         elif argument.has_default_value():
             values[argument.name] = argument.default_value
     return values
+
+
+def _unrepeated(kv: fx.Node) -> fx.Node | None:
+    """The [B, H_kv, L, D] tensor that ``kv`` repeats for each query head of its group, as ``repeat_kv``
+    writes it (``x[:, :, None].expand(B, H_kv, G, L, D).reshape(B, H_kv * G, L, D)``), else None."""
+    if not (isinstance(kv, fx.Node) and kv.target in (aten.reshape.default, aten.view.default,
+                                                       aten._unsafe_view.default)):
+        return None
+    node = kv.args[0]
+    if isinstance(node, fx.Node) and node.target is aten.clone.default:
+        node = node.args[0]
+    unsqueeze = node.args[0] if isinstance(node, fx.Node) and node.target is aten.expand.default else None
+    if not (isinstance(unsqueeze, fx.Node) and unsqueeze.target is aten.unsqueeze.default and unsqueeze.args[1] == 2):
+        return None
+    source = unsqueeze.args[0]
+    if val(source) is None or val(source).ndim != 4:
+        return None
+    b, h_kv, length, d = val(source).shape
+    groups = node.args[1][2]
+    if list(node.args[1]) != [b, h_kv, groups, length, d] or list(kv.args[1]) != [b, h_kv * groups, length, d]:
+        return None
+    return source
 
 
 def _mask(mask: object) -> tuple[fx.Node | None, str]:
@@ -136,8 +166,9 @@ def _unsupported(site: AttentionSite, node: fx.Node, max_rows: int) -> str | Non
     if not all(isinstance(d, int) for t in (q, k, v) for d in t.shape):
         return "dynamic shapes (the decode kernel is compiled for static ones)"
     batch, heads, rows, head_dim = q.shape
-    if k.shape[:2] != (batch, heads) or k.shape[3] != head_dim or v.shape != k.shape:
-        return f"key {tuple(k.shape)} and value {tuple(v.shape)} do not match query {tuple(q.shape)} head for head"
+    if k.shape[0] != batch or heads % k.shape[1] or k.shape[3] != head_dim or v.shape != k.shape:
+        return (f"key {tuple(k.shape)} and value {tuple(v.shape)} do not match query {tuple(q.shape)} (equal "
+                "shapes, with key/value heads dividing the query heads)")
     if q.dtype not in ATTENTION_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtypes {dtype_name(q.dtype)}, {dtype_name(k.dtype)}, {dtype_name(v.dtype)}"
     if head_dim > ATTENTION_MAX_HEAD_DIM:

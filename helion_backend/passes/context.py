@@ -137,12 +137,12 @@ class AttentionSite:
     node: fx.Node
     output: fx.Node  # the node's ``getitem(.., 0)``
     query: fx.Node
-    key: fx.Node
+    key: fx.Node  # the node's key, or what it repeated for the query heads of each group (repeat_kv)
     value: fx.Node
     mask: fx.Node | None  # boolean (True attends) or an additive float bias
     mask_kind: str  # "none" | "bool" | "bias"
     scale: float
-    shape: tuple[object, ...]  # batch, heads, query rows, cache length, head dim (ints or SymInts)
+    shape: tuple[object, ...]  # batch, heads, key/value heads, query rows, cache length, head dim (int or SymInt)
     dtype: torch.dtype
     runs_on: str = "inductor"
     reason: str | None = None

@@ -182,11 +182,12 @@ def _site_report(site: GemmSite) -> SiteReport:
 
 def _attention_report(site: AttentionSite) -> AttentionReport:
     shape = [d if isinstance(d, int) else str(d) for d in site.shape]
-    if len(shape) != 5:  # not [B, H, rows, L, D]: the reason says what it is
-        shape = ["?"] * 5
-    return AttentionReport(node=site.node.name, op=str(site.node.target), batch=shape[0], heads=shape[1],
-                           rows=shape[2], kv_len=shape[3], head_dim=shape[4], dtype=dtype_name(site.dtype),
-                           mask=site.mask_kind, runs_on=site.runs_on, why=site.reason)
+    if len(shape) != 6:  # not 4-D attention: the reason says what it is
+        shape = ["?"] * 6
+    batch, heads, kv_heads, rows, kv_len, head_dim = shape
+    return AttentionReport(node=site.node.name, op=str(site.node.target), batch=batch, heads=heads,
+                           kv_heads=kv_heads, rows=rows, kv_len=kv_len, head_dim=head_dim,
+                           dtype=dtype_name(site.dtype), mask=site.mask_kind, runs_on=site.runs_on, why=site.reason)
 
 
 def _readable(graph: fx.Graph) -> str:
