@@ -46,6 +46,21 @@ def test_decode_attention_kernel_matches_float64(batch, rows, kv_len, head_dim, 
 
 
 @pytest.mark.parametrize("batch", [1, 8])
+def test_grouped_query_heads_match_float64(batch):
+    """Qwen3-8B's heads as Hugging Face passes them (32 query heads of one row over 8 key/value heads): a
+    key/value head's four query heads are the kernel's rows."""
+    from helion_backend.kernels.attention import decode_attention_helion
+
+    q = torch.randn(batch, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, 8, 1024, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    keep = torch.arange(1024, device="cuda").view(1, 1, 1, 1024) < 700
+    out = torch.full_like(q, float("nan"))
+    decode_attention_helion(q, k, v, keep, out=out)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=keep, enable_gqa=True)
+    assert rel_err(out, ref) <= TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("batch", [1, 8])
 def test_decode_step_under_cuda_graphs_matches_eager(batch):
     """The benchmark's decoder in bf16 (two layers, Qwen3-8B's head layout): every layer's attention runs the
     kernel, and the logits replayed over several steps are as close to a float32 copy as eager bf16's."""
