@@ -117,6 +117,7 @@ def test_measured_crossover_lowers_the_helion_limit(monkeypatch, op_calls, no_co
         assert (op_calls.count > calls) == fused, m
 
 
+@pytest.mark.expects_fallback
 @pytest.mark.parametrize("fault", ["compile", "bad_config"])
 def test_failing_helion_kernel_falls_back_with_a_warning(fault, monkeypatch, caplog):
     """A kernel that cannot compile (injected), or a config invalid for the shape, costs the site its
