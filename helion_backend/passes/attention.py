@@ -29,19 +29,19 @@ aten = torch.ops.aten
 def run(ctx: PassContext) -> None:
     for node in ctx.graph.nodes:
         if node.op == "call_function" and node.target in SDPA_OPS:
-            site = _site(node)
+            arguments = _arguments(node)
+            site = _site(node, arguments)
             if site is not None:
-                site.runs_on, site.reason = _place(site, node, ctx)
+                site.runs_on, site.reason = _place(site, arguments, ctx)
                 ctx.attention.append(site)
 
 
-def _site(node: fx.Node) -> AttentionSite | None:
+def _site(node: fx.Node, arguments: dict[str, Any]) -> AttentionSite | None:
     """The node as a site; None when no value reads its output 0 (nothing to replace)."""
     outputs = [user for user in node.users if user.target is operator.getitem and user.args[1] == 0]
     q, k, v = (val(node.args[i]) for i in range(3))
     if len(outputs) != 1 or q is None or k is None or v is None:
         return None
-    arguments = _arguments(node)
     key, value = node.args[1], node.args[2]
     unrepeated = _unrepeated(key), _unrepeated(value)
     if None not in unrepeated and val(unrepeated[0]).shape == val(unrepeated[1]).shape:
@@ -135,10 +135,10 @@ def _is_constant(node: object, value: float) -> bool:
     return node.target is aten.scalar_tensor.default and node.args[0] == value
 
 
-def _place(site: AttentionSite, node: fx.Node, ctx: PassContext) -> tuple[str, str | None]:
+def _place(site: AttentionSite, arguments: dict[str, Any], ctx: PassContext) -> tuple[str, str | None]:
     """``(runs_on, why)``: the decode kernel on CUDA where it computes the node exactly, the reference on a
     CPU graph with ``rewrite_on_cpu``, else the kernel PyTorch chose."""
-    problem = _unsupported(site, node, ctx.options.decode_attention_max_rows)
+    problem = _unsupported(site, arguments, ctx.options.decode_attention_max_rows)
     if problem:
         return "inductor", problem
     device = val(site.query).device
@@ -150,12 +150,12 @@ def _place(site: AttentionSite, node: fx.Node, ctx: PassContext) -> tuple[str, s
     return "inductor", f"{device.type} graph: left to Inductor (option rewrite_on_cpu rewrites it to the reference)"
 
 
-def _unsupported(site: AttentionSite, node: fx.Node, max_rows: int) -> str | None:
+def _unsupported(site: AttentionSite, arguments: dict[str, Any], max_rows: int) -> str | None:
     """Why the decode kernel should not run this node, if it should not."""
-    arguments = _arguments(node)
     q, k, v = val(site.query), val(site.key), val(site.value)
-    readers = sorted({user.args[1] for user in node.users if user.target is operator.getitem} - {0})
-    if readers or any(user.target is not operator.getitem for user in node.users):
+    users = site.node.users
+    readers = sorted({user.args[1] for user in users if user.target is operator.getitem} - {0})
+    if readers or any(user.target is not operator.getitem for user in users):
         return f"outputs {readers} (the log-sum-exp, a training graph's) are read: the decode kernel has none"
     if arguments.get("dropout_p", 0.0) != 0.0:
         return "dropout"
