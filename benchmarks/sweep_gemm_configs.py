@@ -208,6 +208,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--budget-min", type=float, default=0, help="start no new key after this long")
     parser.add_argument("--out-dir", type=Path, help="also write the table here")
     args = parser.parse_args(argv)
+    if args.out_dir:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
     # One line per timed candidate (fastest_valid logs them), without the rest of the package's INFO logs.
     tune_log = logging.getLogger("helion_backend.tuning")

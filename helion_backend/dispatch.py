@@ -6,6 +6,7 @@ import functools
 import gc
 import importlib.util
 import logging
+import math
 import traceback
 from typing import Callable, Sequence, TypeVar
 
@@ -154,7 +155,7 @@ def run_multi_gemm_epilogue(
 
 
 def run_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                         scale: float, out_stride: Sequence[int], site: str = "") -> torch.Tensor:
+                         scale: float, masked_bias: float, out_stride: Sequence[int], site: str = "") -> torch.Tensor:
     """The ``decode_attention`` op: the Helion decode kernel on CUDA, else (and after it failed here)
     PyTorch's ``scaled_dot_product_attention``; into a fresh tensor of strides ``out_stride``."""
     out = q.new_empty_strided(q.shape, out_stride)
@@ -162,8 +163,13 @@ def run_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     if q.is_cuda and helion_unavailable_reason() is None and (site, rows) not in _FAILED:
         from .kernels.attention import decode_attention_helion
 
-        if _try_helion(site, rows, lambda: decode_attention_helion(q, k, v, mask, scale, out=out)) is not None:
+        def launch() -> torch.Tensor:
+            return decode_attention_helion(q, k, v, mask, scale, out=out, masked_bias=masked_bias)
+
+        if _try_helion(site, rows, launch) is not None:
             return out
+    if mask is not None and mask.dtype == torch.bool and masked_bias != -math.inf:
+        mask = torch.where(mask, 0.0, masked_bias).to(q.dtype)  # the bias the graph had made of it
     return out.copy_(torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]))
 

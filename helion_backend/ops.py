@@ -111,18 +111,21 @@ def decode_attention(
     value: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float,
+    masked_bias: float,
     out_stride: list[int],
     site: str,
 ) -> torch.Tensor:
     """``scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)`` for a
     few query rows per head ([B, H, R, D] over a [B, H_kv, L, D] cache, H_kv dividing H): the Helion decode
     kernel on CUDA, SDPA elsewhere.
-    ``mask`` is None, boolean (True attends) or an additive float bias broadcasting to [B, H, R, L]. The
+    ``mask`` is None, boolean (True attends; the other positions add ``masked_bias`` to their logits, -inf
+    in SDPA's own conversion, cuDNN's finite -65504 where the graph had it) or an additive float bias
+    broadcasting to [B, H, R, L]. The
     result has the strides ``out_stride`` of the node it replaces (the graph's views of it were traced
     with them). ``site`` names the node in the report, for the warning if the kernel fails."""
-    return dispatch.run_decode_attention(query, key, value, mask, scale, out_stride, site)
+    return dispatch.run_decode_attention(query, key, value, mask, scale, masked_bias, out_stride, site)
 
 
 @decode_attention.register_fake
-def _(query, key, value, mask, scale, out_stride, site):
+def _(query, key, value, mask, scale, masked_bias, out_stride, site):
     return query.new_empty_strided(query.shape, out_stride)

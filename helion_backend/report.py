@@ -44,7 +44,7 @@ class AttentionReport:
     kv_len: int | str
     head_dim: int | str
     dtype: str
-    mask: str  # "none" | "bool" | "bias"
+    mask: str  # "none" | "bool" | "bias"; a boolean mask whose masked positions add a finite bias names it
     runs_on: str  # "helion" | "reference" | "inductor"
     why: str | None
     fallbacks: list[str] = field(default_factory=list)

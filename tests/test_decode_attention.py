@@ -150,6 +150,44 @@ def test_a_training_graph_keeps_pytorchs_kernel():
     torch.testing.assert_close(q.grad, expected)
 
 
+def cudnn_style_bias(q, k, v, keep, weight):
+    """What SDPA makes of a boolean mask for cuDNN (torch 2.11 on the H200): a bias in the query's dtype,
+    0 where the mask keeps and a finite -65504 (rounded to that dtype) elsewhere."""
+    bias = torch.where(keep, torch.zeros((), dtype=q.dtype), torch.full((), -65504.0, dtype=q.dtype))
+    return attention_then_project(q, k, v, bias, weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_finite_fill_is_read_as_the_boolean_and_its_bias(tmp_path, no_compile_caches, dtype):
+    """where(keep, 0, -65504) is read as keep plus the bias its masked positions add, exactly: a row whose
+    positions are all masked then attends to all of them (as cuDNN computes it), not to none."""
+    q, k, v, keep, weight = inputs(4, "bool", dtype)
+    keep = keep.expand(B, 1, 4, L).clone()
+    keep[1, :, 2] = False  # one row with nothing to attend to
+    args = (q, k, v, keep, weight)
+    out, reports = compile_run(cudnn_style_bias, *args, options={**CPU_REWRITE, "debug_dir": str(tmp_path)})
+    (site,) = attention_reports(reports)
+    fill = torch.tensor(-65504.0, dtype=dtype).item()
+    assert site.runs_on == "reference" and site.mask == f"bool (masked positions add {fill:g})", site.summary()
+    assert "aten.where" not in next(tmp_path.glob("*/after.py")).read_text()
+    # Against the unfused graph: -65504 + a logit, in float32, already rounds the masked row's logits.
+    assert rel_err(out, cudnn_style_bias(*args)) <= helpers.TOLERANCE[dtype]
+
+
+def test_a_fill_in_another_dtype_than_the_query_stays_a_bias():
+    """A finite fill is added in the bias's rounding, which the kernel only reproduces in the query's dtype:
+    a float32 bias beside bfloat16 queries stays a bias (and computes as before)."""
+    q, k, v, keep, weight = inputs(1, "bool", torch.bfloat16)
+
+    def float32_bias(q, k, v, keep, weight):
+        return attention_then_project(q, k, v, torch.where(keep, torch.zeros(()), torch.full((), -1e30)), weight)
+
+    out, reports = compile_run(float32_bias, q, k, v, keep, weight)
+    (site,) = attention_reports(reports)
+    assert site.mask == "bias", site.summary()
+    assert rel_err(out, float32_bias(q, k, v, keep, weight)) <= helpers.TOLERANCE[torch.bfloat16]
+
+
 def test_a_cpu_graph_without_rewrite_on_cpu_is_left_alone():
     why = unfused_reason(attention_then_project, *inputs(1, "bool"), options={})
     assert "rewrite_on_cpu" in why
@@ -167,7 +205,7 @@ def test_the_op_returns_the_strides_of_the_node_it_replaces():
     memory order), so the op's result keeps them."""
     q, k, v, mask, _ = inputs(3, "bias")
     stride = torch.empty(B, 3, H, D).transpose(1, 2).stride()
-    out = torch.ops.helion_inductor.decode_attention(q, k, v, mask, 0.3, list(stride), "test")
+    out = torch.ops.helion_inductor.decode_attention(q, k, v, mask, 0.3, float("-inf"), list(stride), "test")
     assert out.stride() == stride
     expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask.double(), scale=0.3)
     assert rel_err(out, expected) <= helpers.TOLERANCE[torch.float32]

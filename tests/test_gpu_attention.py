@@ -19,7 +19,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
-@pytest.mark.parametrize("mask_kind", ["bool", "bias", "none"])
+@pytest.mark.parametrize("mask_kind", ["bool", "bool_finite", "bias", "none"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("batch, rows, kv_len, head_dim", [(1, 4, 1024, 128), (8, 1, 777, 64), (32, 4, 1024, 128),
                                                             (3, 16, 300, 128)])
@@ -35,12 +35,16 @@ def test_decode_attention_kernel_matches_float64(batch, rows, kv_len, head_dim, 
                 for _ in range(2))
     lengths = torch.randint(1, kv_len + 1, (batch,), device="cuda")
     keep = (torch.arange(kv_len, device="cuda")[None, :] < lengths[:, None]).view(batch, 1, 1, kv_len)
-    mask = {"none": None, "bool": keep,
+    mask = {"none": None, "bool": keep, "bool_finite": keep,
             "bias": torch.randn(batch, 1, rows, kv_len, device="cuda", dtype=dtype).masked_fill(~keep, float("-inf"))}
     mask = mask[mask_kind]
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
-    decode_attention_helion(q, k, v, mask, out=out)
+    # cuDNN's fill for a boolean mask, rounded to the dtype: the masked positions' bias.
+    masked_bias = torch.tensor(-65504.0, dtype=dtype).item() if mask_kind == "bool_finite" else float("-inf")
+    decode_attention_helion(q, k, v, mask, out=out, masked_bias=masked_bias)
     double_mask = mask if mask is None or mask.dtype == torch.bool else mask.double()
+    if mask_kind == "bool_finite":
+        double_mask = torch.where(keep, 0.0, masked_bias).double()
     ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=double_mask)
     assert rel_err(out, ref) <= TOLERANCE[dtype]
 
@@ -84,6 +88,7 @@ def test_decode_step_under_cuda_graphs_matches_eager(batch):
             eager_error = rel_err(model(tokens, pos), expected.double())
             assert rel_err(got, expected.double()) <= max(1.5 * eager_error, 1e-2), eager_error
     found = [a for r in helion_backend.get_reports() for a in r.attention]
-    # The mask reaches the kernel as cuDNN's conversion of the boolean (a bias) on torch 2.11's H200 graph.
+    # The boolean, read back from the bias the graph made of it (cuDNN's finite fill on torch 2.11's H200 graph).
     assert len(found) == config.layers and all(a.runs_on == "helion" for a in found), found
+    assert all(a.mask.startswith("bool") for a in found), [a.mask for a in found]
     assert not any(a.fallbacks for a in found)

@@ -73,17 +73,32 @@ def test_bf16_decoder_runs_every_projection_in_helion_and_matches_float32(name):
         assert sum(s.kernel == "gemm_glu" for s in found) == LAYERS
 
 
+def generate(model, ids: torch.Tensor, **kwargs) -> torch.Tensor:
+    return model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static", **kwargs)
+
+
+@pytest.mark.parametrize("how", ["compile_config", "compiled_forward"])
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
-def test_generate_with_a_static_cache_matches_eager(name):
+def test_generate_with_a_static_cache_matches_eager(name, how):
     """Greedy ``generate`` with the static cache in float32 (so that rounding cannot flip a token): the
-    decode steps (M = 2, the norms fused only at M = 1) run Helion under CUDA graphs and pick eager's tokens."""
+    decode steps (M = 2, the norms fused only at M = 1) run Helion under CUDA graphs and pick eager's tokens.
+
+    On CUDA with a static cache ``generate`` compiles the decode step itself (with Inductor, unless its
+    ``compile_config`` names another backend), so the reference turns that off. The backend runs either
+    through that ``compile_config`` (CUDA graphs on) or as the user's own compiled ``forward`` with
+    generate's off; the latter without CUDA graphs, since the prefill then also runs in the compiled code
+    and the cache's lazily made tensors would be outputs of a CUDA graph that the decode steps overwrite
+    (PyTorch's cudagraph trees refuse that, as with ``mode="reduce-overhead"``)."""
     model = model_of(name, torch.float32)
     ids = torch.randint(0, VOCAB, (2, 7), device="cuda")
     with torch.no_grad():
-        expected = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static")
+        expected = generate(model, ids, disable_compile=True)
         helion_backend.clear_reports()
-        model.forward = torch.compile(model.forward, backend="helion_inductor")
-        got = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static")
+        if how == "compile_config":
+            got = generate(model, ids, compile_config=transformers.CompileConfig(backend="helion_inductor"))
+        else:
+            model.forward = torch.compile(model.forward, backend="helion_inductor", options={"cudagraphs": False})
+            got = generate(model, ids, disable_compile=True)
     assert torch.equal(got, expected)
     decode_graphs = [r for r in helion_backend.get_reports() if {s.m for s in r.sites} == {2}]
     assert decode_graphs, [r.summary() for r in helion_backend.get_reports()]

@@ -579,6 +579,38 @@ def test_decode_attention_row_with_nothing_to_attend_is_zero(split_kv):
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=keep))
 
 
+@pytest.mark.parametrize("split_kv", [1, 4])
+def test_decode_attention_masked_positions_add_a_finite_bias(split_kv):
+    """A boolean mask with a finite ``masked_bias`` computes the bias ``where(keep, 0, masked_bias)``: masked
+    positions still count (a fully masked row attends to all of them), just less."""
+    from helion_backend.kernels.attention import decode_attention_helion
+
+    q, k, v = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 130, 16), torch.randn(1, 2, 130, 16)
+    keep = torch.rand(1, 2, 3, 130) < 0.5
+    keep[0, 1, 2] = False
+    config = helion.Config(block_sizes=[32, 16], split_kv=split_kv, num_warps=4, num_stages=1)
+    out = decode_attention_helion(q, k, v, keep, config=config, masked_bias=-3.0)
+    bias = torch.where(keep, 0.0, -3.0).double()
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=bias)
+    assert rel_err(out, ref) <= ATTENTION_TOLERANCE[torch.float32]
+
+
+def test_decode_attention_combine_tiles_the_head_dimension():
+    """Nine chunks of 4 rows of D = 128 overflow one combine program's tile: D is split (two programs per
+    row block), and every column is still merged."""
+    from helion_backend.kernels.attention import COMBINE_TILE_ELEMENTS, combine_config, decode_attention_helion
+
+    config = combine_config(9, 4, 128)
+    block_r, block_d = config["block_sizes"]
+    assert (block_r, block_d) == (4, 64) and 9 * block_r * block_d <= COMBINE_TILE_ELEMENTS
+    q, k, v = torch.randn(1, 2, 4, 128), torch.randn(1, 2, 1100, 128), torch.randn(1, 2, 1100, 128)
+    keep = torch.rand(1, 1, 4, 1100) < 0.8
+    attention_config = helion.Config(block_sizes=[64, 16], split_kv=16, num_warps=4, num_stages=1)
+    out = decode_attention_helion(q, k, v, keep, config=attention_config)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=keep)
+    assert rel_err(out, ref) <= ATTENTION_TOLERANCE[torch.float32]
+
+
 @pytest.mark.parametrize("batch_heads, kv_len, split", [(8, 1024, 16), (64, 1024, 2), (256, 1024, 1), (8, 100, 2)])
 def test_decode_attention_default_config_fills_the_gpu(batch_heads, kv_len, split):
     """About 128 programs (H200: 132 SMs), never chunks shorter than 64 positions."""

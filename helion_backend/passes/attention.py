@@ -4,7 +4,8 @@ A node with at most ``decode_attention_max_rows`` query rows per head (a decode 
 decode kernel (:mod:`helion_backend.kernels.attention`) on CUDA; longer queries (prefill), training
 graphs (which read the log-sum-exp), dropout, ``is_causal`` and dynamic shapes keep the kernel PyTorch
 chose, with the reason in the report. A boolean mask that the graph turned into an additive bias
-(``where(mask, 0, -inf)``) is read as the boolean itself, so that the bias is never materialized, and
+(``where(mask, 0, fill)``: ``-inf``, or cuDNN's finite -65504 rounded to the bias dtype) is read as the
+boolean and its fill, so that the bias is never materialized, and
 keys and values repeated for every query head of their group (``repeat_kv``: unsqueeze, expand, clone,
 reshape) are read before the repeat: the kernel takes a key/value head's query heads as its rows.
 """
@@ -47,13 +48,13 @@ def _site(node: fx.Node, arguments: dict[str, Any]) -> AttentionSite | None:
     if None not in unrepeated and val(unrepeated[0]).shape == val(unrepeated[1]).shape:
         key, value = unrepeated
         k = val(key)
-    mask, kind = _mask(arguments.get(SDPA_OPS[node.target]))
+    mask, kind, masked_bias = _mask(arguments.get(SDPA_OPS[node.target]), q.dtype)
     scale, head_dim = arguments.get("scale"), q.shape[-1]
     if scale is None:  # SDPA's default; a symbolic head dimension is refused by _unsupported
         scale = 1.0 / math.sqrt(head_dim) if isinstance(head_dim, int) else math.nan
     return AttentionSite(
         node=node, output=outputs[0], query=node.args[0], key=key, value=value, mask=mask,
-        mask_kind=kind, scale=float(scale),
+        mask_kind=kind, masked_bias=masked_bias, scale=float(scale),
         shape=(*q.shape[:2], k.shape[1], q.shape[2], k.shape[2], q.shape[3]) if q.ndim == 4 and k.ndim == 4
         else tuple(q.shape),
         dtype=q.dtype,
@@ -95,44 +96,50 @@ def _unrepeated(kv: fx.Node) -> fx.Node | None:
     return source
 
 
-def _mask(mask: object) -> tuple[fx.Node | None, str]:
-    """The mask to pass the kernel and its kind: a boolean mask that the graph turned into a bias
-    (``where(keep, 0, -inf)`` or ``where(~keep, -inf, 0)``, seen through an expand) as the boolean
-    ``keep``, any other tensor as an additive bias."""
+def _mask(mask: object, dtype: torch.dtype) -> tuple[fx.Node | None, str, float]:
+    """The mask to pass the kernel, its kind, and the bias a masked position gets: a boolean mask that the
+    graph turned into a bias (``where(keep, 0, fill)`` or ``where(~keep, fill, 0)``, seen through an
+    expand) as the boolean ``keep`` and ``fill``, any other tensor as an additive bias."""
     if not isinstance(mask, fx.Node):
-        return None, "none"
-    keep = _boolean_source(mask.args[0] if mask.target is aten.expand.default else mask)
-    return (keep, "bool") if keep is not None else (mask, "bias")
+        return None, "none", -math.inf
+    found = _boolean_source(mask.args[0] if mask.target is aten.expand.default else mask, dtype)
+    return (found[0], "bool", found[1]) if found is not None else (mask, "bias", -math.inf)
 
 
-def _boolean_source(bias: fx.Node) -> fx.Node | None:
-    """``keep`` where ``bias`` is 0 at ``keep`` and -inf elsewhere, else None."""
-    if bias.target is not aten.where.self:
+def _boolean_source(bias: fx.Node, dtype: torch.dtype) -> tuple[fx.Node, float] | None:
+    """``(keep, fill)`` where ``bias`` is 0 at ``keep`` and the constant ``fill`` elsewhere, else None. A finite
+    fill (cuDNN's -65504, rounded to the bias dtype) is kept exactly, as the bias value the kernel adds; only
+    a bias in the query's dtype is read so, since the kernel adds the fill in that dtype's rounding."""
+    if bias.target is not aten.where.self or val(bias) is None:
         return None
     condition, if_true, if_false = bias.args
-    if _is_constant(if_true, 0.0) and _is_constant(if_false, -math.inf):
+    if _constant(if_true) == 0.0 and (fill := _constant(if_false)) is not None:
         keep = condition
-    elif (_is_constant(if_true, -math.inf) and _is_constant(if_false, 0.0) and isinstance(condition, fx.Node)
+    elif (_constant(if_false) == 0.0 and (fill := _constant(if_true)) is not None and isinstance(condition, fx.Node)
           and condition.target in (aten.logical_not.default, aten.bitwise_not.default)):
         keep = condition.args[0]
     else:
         return None
-    if isinstance(keep, fx.Node) and val(keep) is not None and val(keep).dtype == torch.bool:
-        return keep
-    return None
+    if not (isinstance(keep, fx.Node) and val(keep) is not None and val(keep).dtype == torch.bool):
+        return None
+    rounded = torch.tensor(fill, dtype=torch.float64).to(val(bias).dtype).item()
+    if math.isinf(rounded) and rounded < 0:
+        return keep, -math.inf
+    return (keep, rounded) if val(bias).dtype == dtype and math.isfinite(rounded) else None
 
 
-def _is_constant(node: object, value: float) -> bool:
-    """``value`` everywhere, as the graph spells where's constants: ``full(shape, value)`` (a scalar, or the
+def _constant(node: object) -> float | None:
+    """The value everywhere, as the graph spells where's constants: ``full(shape, value)`` (a scalar, or the
     zeros a ``masked_fill`` starts from: the mask's checked shape covers theirs), ``scalar_tensor(value)`` or
-    the number itself."""
-    if isinstance(node, (int, float)):
-        return node == value
-    if not isinstance(node, fx.Node):
-        return False
-    if node.target is aten.full.default:
-        return node.args[1] == value
-    return node.target is aten.scalar_tensor.default and node.args[0] == value
+    the number itself, rounded to the constant's own dtype; else None."""
+    if isinstance(node, (int, float)) and not isinstance(node, bool):
+        return float(node)
+    if not isinstance(node, fx.Node) or node.target not in (aten.full.default, aten.scalar_tensor.default):
+        return None
+    value = node.args[1] if node.target is aten.full.default else node.args[0]
+    if not isinstance(value, (int, float)) or val(node) is None:
+        return None
+    return torch.tensor(value, dtype=torch.float64).to(val(node).dtype).item()
 
 
 def _place(site: AttentionSite, arguments: dict[str, Any], ctx: PassContext) -> tuple[str, str | None]:

@@ -21,7 +21,8 @@ def run(ctx: PassContext) -> None:
         try:
             with ctx.graph.inserting_before(site.output):
                 fused = insert_call(ctx.graph, ATTENTION_OP, (
-                    site.query, site.key, site.value, site.mask, site.scale, list(val(site.output).stride()),
+                    site.query, site.key, site.value, site.mask, site.scale, site.masked_bias,
+                    list(val(site.output).stride()),
                     site_id(ctx.report.graph, site.node.name),
                 ))
         except Exception as e:  # leave the node to Inductor: what was inserted before the failure is dead

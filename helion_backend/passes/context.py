@@ -141,6 +141,7 @@ class AttentionSite:
     value: fx.Node
     mask: fx.Node | None  # boolean (True attends) or an additive float bias
     mask_kind: str  # "none" | "bool" | "bias"
+    masked_bias: float  # what a boolean mask's masked positions add to their logits (-inf: they drop out)
     scale: float
     shape: tuple[object, ...]  # batch, heads, key/value heads, query rows, cache length, head dim (int or SymInt)
     dtype: torch.dtype

@@ -13,6 +13,7 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 from pathlib import Path
 
 import sympy
@@ -187,7 +188,15 @@ def _attention_report(site: AttentionSite) -> AttentionReport:
     batch, heads, kv_heads, rows, kv_len, head_dim = shape
     return AttentionReport(node=site.node.name, op=str(site.node.target), batch=batch, heads=heads,
                            kv_heads=kv_heads, rows=rows, kv_len=kv_len, head_dim=head_dim,
-                           dtype=dtype_name(site.dtype), mask=site.mask_kind, runs_on=site.runs_on, why=site.reason)
+                           dtype=dtype_name(site.dtype), mask=_mask_description(site), runs_on=site.runs_on,
+                           why=site.reason)
+
+
+def _mask_description(site: AttentionSite) -> str:
+    """The mask kind, and for a boolean one whose masked positions get a finite bias (cuDNN's), that bias."""
+    if site.mask_kind == "bool" and math.isfinite(site.masked_bias):
+        return f"bool (masked positions add {site.masked_bias:g})"
+    return site.mask_kind
 
 
 def _readable(graph: fx.Graph) -> str:
