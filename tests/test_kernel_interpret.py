@@ -213,7 +213,7 @@ def program_from(quantize_fn, x: torch.Tensor, w_kn: torch.Tensor):
         quantized, scale = quantize_fn(x)
         return torch._int_mm(quantized, w_kn).to(torch.float32) * scale
 
-    (site,) = trace_sites(linear, x)
+    (site,) = trace_sites(linear, x, fuse_activation_quant=True)
     assert site.quant_program is not None, site
     return site.quant_program
 
