@@ -143,17 +143,20 @@ class Fp8DynamicLinear(_QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         xq, scale = _quantize_fp8(x2)
+        return self.forward_quantized(xq, scale, x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def forward_quantized(self, xq: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The [M, N] ``dtype`` result for rows already quantized (``xq`` [M, K], ``scale`` [M, 1]): what a
+        compile's GEMM site computes when Inductor quantizes the rows (the tuner times it)."""
         if self.rescale_after:
             acc = torch._scaled_mm(xq, self.qweight.t(), scale_a=self.one, scale_b=self.one,
                                    out_dtype=torch.float32)
             out = acc * scale * self.weight_scale
             if self.bias is not None:
                 out = out + self.bias
-            out = out.to(x.dtype)
-        else:
-            out = torch._scaled_mm(xq, self.qweight.t(), scale_a=scale, scale_b=self.weight_scale,
-                                   bias=self.bias, out_dtype=x.dtype)
-        return out.reshape(*x.shape[:-1], self.out_features)
+            return out.to(dtype)
+        return torch._scaled_mm(xq, self.qweight.t(), scale_a=scale, scale_b=self.weight_scale,
+                                bias=self.bias, out_dtype=dtype)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rescale_after={self.rescale_after}"
@@ -224,12 +227,16 @@ class Int8DynamicLinear(_QuantizedLinear):
         amax = x2.abs().amax(dim=-1, keepdim=True)
         scale = (amax.to(torch.float32) / 127.0).clamp(min=1e-5)
         xq = torch.round(x2.to(torch.float32) / scale).clamp(-128, 127).to(torch.int8)
+        return self.forward_quantized(xq, scale, x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def forward_quantized(self, xq: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The [M, N] ``dtype`` result for rows already quantized (``xq`` [M, K], ``scale`` [M, 1]), as
+        :meth:`Fp8DynamicLinear.forward_quantized`."""
         acc = _int_mm_any_m(xq, self.qweight.t())  # int32 [M, N]
         out = acc.to(torch.float32) * scale * self.weight_scale
         if self.bias is not None:
             out = out + self.bias
-        out = out.to(x.dtype)
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return out.to(dtype)
 
 
 # --------------------------------------------------------------------------------------------------

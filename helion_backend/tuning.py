@@ -8,7 +8,8 @@ quantized ones. For each key, with the key's :class:`~.tuning_problems.Problem` 
 ``benchmarks/sweep_gemm_configs.py``), it
 
 1. runs Helion's autotuner on the family's GEMM kernel once per value of the family's config keys that a
-   search cannot explore (``split_k``, and ``prequantize`` for fp8/int8; see :mod:`.tuning_problems`),
+   search cannot explore (``split_k``, and ``prequantize`` for fp8/int8 sites that quantize their
+   activation; see :mod:`.tuning_problems`),
    seeded with the config the backend runs today; the searches share the key's time budget;
 2. runs each search's winner, and today's config, end to end through the family's wrapper (split-K
    finishing pass and config adaptation included) against the reference and drops any beyond the

@@ -9,8 +9,8 @@ runs today, and the family's config keys that one Helion search cannot explore (
 
 - ``split_k``: a split writes fp32 partial sums to a workspace of another shape and needs a finishing pass
   the autotuner never sees, so each split is searched on its own, with ``split_k`` fixed;
-- ``prequantize`` (fp8 and int8): ours, not Helion's; with it the wrapper launches another GEMM kernel on
-  rows quantized by a kernel of their own.
+- ``prequantize`` (fp8 and int8 sites that quantize their activation, option ``fuse_activation_quant``): ours,
+  not Helion's; with it the wrapper launches another GEMM kernel on rows quantized by a kernel of their own.
 
 Each :class:`Search` captures, on the GPU, the GEMM launch the wrapper makes for its seed config
 (:func:`~.kernels.gemm.record_launches`): the kernel, its arguments and the config as that kernel takes
@@ -20,7 +20,9 @@ back to the layout the config tables store.
 What the manifest does not record is chosen here: an RMSNorm is Hugging Face's (:data:`NORM_SPEC`), an
 fp8/int8 site's activation is bfloat16, a quantized site's weight is :mod:`helion_backend.quantize`'s layer
 of its family, and a shared launch's outputs are tuned without their epilogues (the manifest records them
-one after the other, not which output has which).
+one after the other, not which output has which). An fp8/int8 site without the activation quantization
+in its prologue (the default: Inductor quantizes the rows) is the layer's GEMM on rows quantized before
+the call, timed against ``torch.compile`` of that GEMM alone.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from .kernels.gemm import (
 from .kernels.multi_gemm import multi_gemm_helion, multi_kernel_config
 from .kernels.quant_gemm import quantize_rows_kernel
 from .norm import RmsNormSpec, rms_norm
-from .quant_program import QuantProgram
+from .options import BackendOptions
+from .quant_program import QuantProgram, quantize_rows
 from .quantize import QUANT_FORMATS
 from .timing import Step, copies_to_defeat_l2
 from .vocabulary import (
@@ -322,12 +325,13 @@ def _multi_problem(key: TuneKey, device: torch.device) -> Problem:
 
 
 @functools.cache
-def quantized_site(family: str) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
-    """(GEMM input dtype, prologue, epilogue) of the family's layer with a bias, as a compile records it
-    (traced once on a small layer on the CPU): the sweep's keys."""
+def quantized_site(family: str, fuse_activation_quant: bool = BackendOptions.fuse_activation_quant,
+                   ) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    """(GEMM input dtype, prologue, epilogue) of the family's layer with a bias, as a compile with that option
+    records it (traced once on a small layer on the CPU): the sweep's keys."""
     layer = _quantized_layer(family, 256, 256, bias=True, device=torch.device("cpu"))
-    site = _trace(layer, torch.zeros(2, 256, dtype=SUPPORTED_DTYPES[QUANT_ACTIVATION_DTYPE]))
-    return dtype_name(site.dtype), KERNEL_FAMILIES[family].prologue, _layer_steps(site)
+    site = _trace(layer, torch.zeros(2, 256, dtype=SUPPORTED_DTYPES[QUANT_ACTIVATION_DTYPE]), fuse_activation_quant)
+    return dtype_name(site.dtype), tuple(step.name for step in site.prologue), _layer_steps(site)
 
 
 def _quantized_layer(family: str, k: int, n: int, bias: bool, device: torch.device,
@@ -336,10 +340,10 @@ def _quantized_layer(family: str, k: int, n: int, bias: bool, device: torch.devi
     return QUANT_FORMATS[QUANT_FORMAT_OF[family]].from_linear(linear).eval()
 
 
-def _trace(layer: torch.nn.Module, x: torch.Tensor) -> Any:
+def _trace(layer: torch.nn.Module, x: torch.Tensor, fuse_activation_quant: bool) -> Any:
     from .passes.trace import trace_sites  # the passes import the kernels: not at module import
 
-    (site,) = trace_sites(layer, x)
+    (site,) = trace_sites(layer, x, fuse_activation_quant=fuse_activation_quant)
     return site
 
 
@@ -350,13 +354,13 @@ def _layer_steps(site: Any) -> tuple[str, ...]:
 def _quantized_problem(key: TuneKey, device: torch.device) -> Problem:
     """A quantized family: layers as :mod:`helion_backend.quantize` builds them (with a bias where the site
     adds one), the site's epilogue after the layer's own steps, checked against the unfused quantized
-    computation and timed against torch.compile of the layer and those steps."""
+    computation and timed against torch.compile of the layer and those steps. An fp8/int8 key without its
+    activation quantization runs the kernel on rows quantized before the call (by the layer's own program) and
+    is timed against torch.compile of the layer's GEMM on them (``forward_quantized``)."""
     family_quantizes = set(KERNEL_FAMILIES[key.kernel].prologue) & set(ACTIVATION_QUANT_STEPS.values())
     quant_step = next(iter(family_quantizes), None)  # fp8's and int8's dynamic activation quantization
-    if quant_step is not None and quant_step not in key.prologue:
-        raise TuneError(f"{key.kernel} site without the {quant_step} prologue (a pre-quantized activation, or a "
-                        "manifest written before prologues were recorded): the tuner rebuilds dynamically "
-                        "quantized layers only")
+    # Without it (the default compile's site), the kernel reads rows quantized before the call, as Inductor does.
+    prequantized = quant_step is not None and quant_step not in key.prologue
     act_dtype = SUPPORTED_DTYPES.get(key.dtype, SUPPORTED_DTYPES[QUANT_ACTIVATION_DTYPE])
     bias = "bias" in key.epilogue
     first = _quantized_layer(key.kernel, key.k, key.n, bias, device, act_dtype)
@@ -365,42 +369,55 @@ def _quantized_problem(key: TuneKey, device: torch.device) -> Problem:
     gen = torch.Generator(device=device).manual_seed(0)
     randn = functools.partial(_randn, gen, device, act_dtype)
     xs = [randn(key.m, key.k) for _ in range(copies)]
-    site = _trace(first, xs[0])
+    site = _trace(first, xs[0], fuse_activation_quant=True)  # (its program quantizes the rows of a pre-quantized key)
     if dtype_name(site.dtype) != key.dtype:
         raise TuneError(f"the {key.kernel} layer multiplies {dtype_name(site.dtype)} inputs, the site {key.dtype}")
-    own = _layer_steps(site)
+    own = _layer_steps(_trace(first, xs[0], fuse_activation_quant=False) if prequantized else site)
     if key.epilogue[:len(own)] != own:
         raise TuneError(f"the {key.kernel} layer computes the steps {list(own)}; the site's epilogue "
                         f"{list(key.epilogue)} does not start with them")
     after = key.epilogue[len(own):]
     scalars = [0.5] * num_scalars(key.epilogue)
     extra = [_operands(after, key.m, key.n, randn) for _ in range(copies)]
-    calls = [_quantized_call(key.kernel, layer, x, site.quant_program, own, key.epilogue, scalars, ops)
-             for layer, x, ops in zip(layers, xs, extra)]
+    # What the layer's GEMM reads: the float rows, or (pre-quantized) the quantized rows and their [M, 1] scales.
+    inputs = [quantize_rows(site.quant_program, x) if prequantized else (x,) for x in xs]
+    calls = [_quantized_call(key.kernel, layer, rows, None if prequantized else site.quant_program, own,
+                             key.epilogue, scalars, ops, act_dtype)
+             for layer, rows, ops in zip(layers, inputs, extra)]
 
-    def layer_then_steps(layer: torch.nn.Module, x: torch.Tensor, operands: list[torch.Tensor]) -> torch.Tensor:
-        acc = layer(x).to(torch.float32)
-        return apply_epilogue(acc, after, operands.__getitem__, scalars[num_scalars(own):]).to(x.dtype)
+    def layer_then_steps(layer: torch.nn.Module, rows: tuple[torch.Tensor, ...],
+                         operands: list[torch.Tensor]) -> torch.Tensor:
+        out = layer.forward_quantized(*rows, act_dtype) if prequantized else layer(*rows)
+        return apply_epilogue(out.to(torch.float32), after, operands.__getitem__,
+                              scalars[num_scalars(own):]).to(act_dtype)
 
     split = {SPLIT_K: configs.split_k_choices(key.k)}
+    current = _current(key, device)
+    keep_prequantize = {PREQUANTIZE: current[PREQUANTIZE]} if PREQUANTIZE in current else {}
     return Problem(
         run=lambda config, i: calls[i % copies].kernel(key.kernel, config),
         reference=calls[0].unfused(),
-        fallback=lambda: compiled(layer_then_steps, lambda i: (layers[i % copies], xs[i % copies], extra[i % copies])),
-        current=_current(key, device),
+        fallback=lambda: compiled(layer_then_steps,
+                                  lambda i: (layers[i % copies], inputs[i % copies], extra[i % copies])),
+        current=current,
         epilogue=key.epilogue,
-        searched={**split, PREQUANTIZE: (False, True)} if quant_step is not None else split,
+        searched={**split, PREQUANTIZE: (False, True)} if quant_step is not None and not prequantized else split,
+        # A pre-quantized site never quantizes: its entry keeps today's prequantize for the sites that do.
+        to_table=lambda config: helion.Config(**{**config, **keep_prequantize}),
     )
 
 
-def _quantized_call(family: str, layer: torch.nn.Module, x: torch.Tensor, program: QuantProgram | None,
+def _quantized_call(family: str, layer: torch.nn.Module, rows: tuple[torch.Tensor, ...], program: QuantProgram | None,
                     own: tuple[str, ...], steps: tuple[str, ...], scalars: list[float],
-                    extra: list[torch.Tensor]) -> Call:
+                    extra: list[torch.Tensor], out_dtype: torch.dtype) -> Call:
     """The fused op's arguments for ``layer``: its weight as the family's kernel reads it, the operands of the
-    layer's ``own`` steps from the layer (weight scales, bias), then ``extra`` for the steps after them."""
-    from_layer = {"channel_scale": lambda: layer.weight_scale.reshape(-1).float(), "bias": lambda: layer.bias}
+    layer's ``own`` steps from the layer (weight scales, bias) or the rows (``(x_quantized, scale)``: the
+    token_scale), then ``extra`` for the steps after them."""
+    x, *row_scale = rows
+    from_layer = {"channel_scale": lambda: layer.weight_scale.reshape(-1).float(), "bias": lambda: layer.bias,
+                  "token_scale": lambda: row_scale[0]}
     operands = [*(from_layer[step]() for step in own if operand_kinds((step,))), *extra]
-    common = dict(x=x, steps=steps, operands=operands, scalars=scalars, out_dtype=x.dtype)
+    common = dict(x=x, steps=steps, operands=operands, scalars=scalars, out_dtype=out_dtype)
     if family == INT4_FAMILY:
         return Call(w_kn=layer.packed.t(), weight_scale=layer.scales, **common)
     if family == FP8_BLOCK_FAMILY:

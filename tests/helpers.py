@@ -13,6 +13,8 @@ from helion_backend.report import GraphReport, SiteReport
 from helion_backend.rules import BUILTIN_RULES_DIR
 
 CPU_REWRITE = {"rewrite_on_cpu": True}
+# The fp8/int8 per-token activation quantization in the Helion kernel's prologue (by default Inductor computes it).
+QUANT_IN_KERNEL = {**CPU_REWRITE, "fuse_activation_quant": True}
 # The RMSNorm prologue at every M the CPU tests use (by default it fuses only for one row).
 NORMS_FUSED = {"rmsnorm_prologue_max_m": 64}
 # The shipped rules without the gated MLP's (gate and up projections then stay two sites), with the CPU rewrite.

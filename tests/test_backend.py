@@ -53,6 +53,13 @@ def test_unknown_option_lists_valid_ones():
 def test_option_types_are_checked():
     with pytest.raises(TypeError, match="max_helion_size"):
         BackendOptions.from_user({"max_helion_size": "32"})
+    for value in ("yes", 1, None):
+        with pytest.raises(TypeError, match=f"option 'fuse_activation_quant' must be bool, got {value!r}"):
+            BackendOptions.from_user({"fuse_activation_quant": value})
+    with pytest.raises(Exception, match="option 'fuse_activation_quant' must be bool"):
+        compile_run(lambda x: x @ x, randn(4, 4), options={"fuse_activation_quant": "on"})
+    assert BackendOptions.from_user({"fuse_activation_quant": True}).fuse_activation_quant is True
+    assert BackendOptions().fuse_activation_quant is False
 
 
 def test_mode_is_accepted_and_unknown_mode_refused():
@@ -92,6 +99,9 @@ def test_uuid_covers_rules_options_and_version(tmp_path):
     assert HelionPassManager(BackendOptions.from_user({"rules": [str(rule)]})).uuid() != base
     other = HelionPassManager(BackendOptions.from_user({"rules": [str(rule)], "max_helion_size": 8}))
     assert other.uuid() != base
+    # Where the activation quantization runs changes the graph a cached compile holds.
+    quant_in_kernel = HelionPassManager(BackendOptions.from_user({"rules": [str(rule)], "fuse_activation_quant": True}))
+    assert quant_in_kernel.uuid() != HelionPassManager(BackendOptions.from_user({"rules": [str(rule)]})).uuid()
     debug_only = HelionPassManager(BackendOptions.from_user({"rules": [str(rule)], "debug_dir": "/x"}))
     assert debug_only.uuid() == HelionPassManager(BackendOptions.from_user({"rules": [str(rule)]})).uuid()
 

@@ -24,9 +24,17 @@ pytestmark = pytest.mark.gpu
 K, N = 1024, 768
 FAMILIES = {"fp8_dynamic": "gemm_fp8", "int8_dynamic": "gemm_int8", "int8_weight_only": "gemm_weight_only",
             "int4_weight_only": "gemm_int4", "fp8_block": "gemm_fp8_block"}
+# Each format's prologue with fuse_activation_quant; by default Inductor quantizes the per-token formats' rows.
 PROLOGUES = {"fp8_dynamic": ["quant_fp8_per_token"], "int8_dynamic": ["quant_int8_per_token"],
              "int8_weight_only": ["dequant_int8"], "int4_weight_only": ["dequant_int4"],
              "fp8_block": ["quant_fp8_per_group", "dequant_fp8_block"]}
+PER_TOKEN = ("fp8_dynamic", "int8_dynamic")
+FORMATS = [*((fmt, False) for fmt in sorted(FAMILIES)), *((fmt, True) for fmt in PER_TOKEN)]
+FORMAT_IDS = [f"{fmt}-{'kernel_quant' if fused else 'default'}" for fmt, fused in FORMATS]
+
+
+def prologue_of(fmt: str, fused: bool) -> list[str]:
+    return PROLOGUES[fmt] if fused or fmt not in PER_TOKEN else []
 
 
 class Block(nn.Module):
@@ -46,12 +54,15 @@ def float_block() -> Block:
 
 
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 16, 24, 32, 33, 64])
-@pytest.mark.parametrize("fmt", sorted(FAMILIES))
-def test_fused_quantized_linear_matches_the_unfused_graph(fmt, m):
+@pytest.mark.parametrize("fmt, fused", FORMATS, ids=FORMAT_IDS)
+def test_fused_quantized_linear_matches_the_unfused_graph(fmt, fused, m):
+    """Every format by default (fp8/int8: the kernel reads the rows Inductor quantized), and fp8/int8 with
+    ``fuse_activation_quant`` (the kernel quantizes them)."""
     reference = float_block()
     eager = quantize(copy.deepcopy(reference), fmt)
     helion_backend.clear_reports()
-    compiled = torch.compile(copy.deepcopy(eager), backend="helion_inductor")
+    compiled = torch.compile(copy.deepcopy(eager), backend="helion_inductor",
+                             options={"fuse_activation_quant": fused})
     with torch.no_grad():
         for _ in range(3):  # warm-up, record, replay
             x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
@@ -67,7 +78,8 @@ def test_fused_quantized_linear_matches_the_unfused_graph(fmt, m):
     assert site.runs_on == ("helion" if m <= 32 else "inductor"), site.why
     assert not site.fallbacks, site.fallbacks  # the numerics above would also pass on the unfused reference
     if m <= 32:
-        assert site.prologue == PROLOGUES[fmt]
+        assert site.prologue == prologue_of(fmt, fused)
+        assert ("act_scale" if fused else "token_scale") in site.epilogue or fmt not in PER_TOKEN, site.epilogue
         assert "gelu_tanh" in site.epilogue and site.epilogue[-1] == "residual", site.epilogue
 
 
@@ -180,22 +192,25 @@ def test_block_fp8_scaled_mm_runs_as_the_block_fp8_kernel(m, bias, gelu):
 
 
 @pytest.mark.parametrize("dynamic", [None, True], ids=["mark_dynamic", "dynamic_true"])
-@pytest.mark.parametrize("form", ["fp8_dynamic", "fp8_block", "fp8_block_scaled_mm"])
+@pytest.mark.parametrize("form", ["fp8_dynamic", "fp8_dynamic_kernel_quant", "fp8_block", "fp8_block_scaled_mm"])
 def test_fp8_with_a_symbolic_token_count_runs_the_fused_kernel(form, dynamic):
     """A symbolic M (``mark_dynamic``, or ``dynamic=True``, which also lifts Python floats the forward reads)
-    keeps the fp8 sites fused with their prologue: the Helion kernel up to M = 32, the unrewritten graph above
-    (M = 64, a multiple of 4 as cuBLAS' blockwise ``_scaled_mm`` needs)."""
+    keeps the fp8 sites fused as with a static M (the per-token one reading the rows Inductor quantized, or
+    with ``fuse_activation_quant`` quantizing them in its prologue): the Helion kernel up to M = 32, the
+    unrewritten graph above (M = 64, a multiple of 4 as cuBLAS' blockwise ``_scaled_mm`` needs)."""
     from helion_backend.quantize import BlockFp8Linear, _probe_blockwise_scaled_mm
 
-    fmt = form.removesuffix("_scaled_mm")
-    if form != fmt and (problem := _probe_blockwise_scaled_mm(torch.device("cuda"), torch.bfloat16)) is not None:
+    fmt = form.removesuffix("_scaled_mm").removesuffix("_kernel_quant")
+    fused = form.endswith("_kernel_quant")
+    if form.endswith("_scaled_mm") and (problem := _probe_blockwise_scaled_mm(torch.device("cuda"), torch.bfloat16)) is not None:
         pytest.skip(f"no blockwise _scaled_mm in torch {torch.__version__} here: {problem}")
     hand_written = quantize(float_block(), fmt)  # the reference (cuBLAS' blockwise kernel refuses M = 2)
     model = copy.deepcopy(hand_written)
-    if form != fmt:
+    if form.endswith("_scaled_mm"):
         model.proj = BlockFp8Linear.from_linear(float_block().proj, use_scaled_mm=True)
     helion_backend.clear_reports()
-    compiled = torch.compile(model, backend="helion_inductor", dynamic=dynamic)
+    compiled = torch.compile(model, backend="helion_inductor", dynamic=dynamic,
+                             options={"fuse_activation_quant": fused})
     with torch.no_grad():
         for m in (2, 8, 32, 64):  # not 1: Dynamo specializes a size of 1 (a graph of its own)
             x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
@@ -204,24 +219,29 @@ def test_fp8_with_a_symbolic_token_count_runs_the_fused_kernel(form, dynamic):
             torch._dynamo.mark_dynamic(r, 0)
             assert sqnr_db(hand_written(x, r), compiled(x, r)) >= 40, m
     (site,) = sites(helion_backend.get_reports())
-    assert (site.m, site.kernel, site.prologue, site.runs_on) == ("dynamic", FAMILIES[fmt], PROLOGUES[fmt], "helion"), site
+    assert (site.m, site.kernel, site.prologue, site.runs_on) == (
+        "dynamic", FAMILIES[fmt], prologue_of(fmt, fused), "helion"), site
 
 
 def _program_of(module: nn.Module):
     """The program the matcher records for ``module``'s activation quantization."""
     from helion_backend.passes.trace import trace_sites
 
-    (site,) = trace_sites(module, torch.randn(4, module.in_features, device="cuda", dtype=torch.bfloat16))
+    x = torch.randn(4, module.in_features, device="cuda", dtype=torch.bfloat16)
+    (site,) = trace_sites(module, x, fuse_activation_quant=True)
     assert site.quant_program is not None
     return site.quant_program
 
 
 def test_zero_rows_and_saturation_behave_as_the_unfused_graph():
-    """All-zero rows take the clamped scale (no NaN); huge values saturate to the format's max."""
+    """All-zero rows take the clamped scale (no NaN); huge values saturate to the format's max (the per-token
+    formats with their rows quantized by Inductor and, with ``fuse_activation_quant``, by the kernel)."""
     reference = float_block()
-    for fmt in ("fp8_dynamic", "int8_dynamic", "fp8_block"):
+    for fmt, fused in (("fp8_dynamic", False), ("fp8_dynamic", True), ("int8_dynamic", False),
+                       ("int8_dynamic", True), ("fp8_block", False)):
         eager = quantize(copy.deepcopy(reference), fmt)
-        compiled = torch.compile(copy.deepcopy(eager), backend="helion_inductor")
+        compiled = torch.compile(copy.deepcopy(eager), backend="helion_inductor",
+                                 options={"fuse_activation_quant": fused})
         x = torch.randn(4, K, device="cuda", dtype=torch.bfloat16)
         x[1] = 0
         x[2, :7] = 3e4
@@ -229,4 +249,4 @@ def test_zero_rows_and_saturation_behave_as_the_unfused_graph():
         with torch.no_grad():
             out, unfused = compiled(x, r), eager(x, r)
         assert not out.isnan().any()
-        assert sqnr_db(unfused, out) >= 40, fmt
+        assert sqnr_db(unfused, out) >= 40, (fmt, fused)

@@ -4,7 +4,7 @@ and the report shows every projection of every layer as a fused site."""
 import helpers
 import pytest
 import torch
-from helpers import CPU_REWRITE
+from helpers import CPU_REWRITE, QUANT_IN_KERNEL
 
 import helion_backend
 
@@ -81,10 +81,15 @@ def test_generate_with_a_static_cache_matches_eager(name):
         [r.summary() for r in helion_backend.get_reports()]
 
 
-@pytest.mark.parametrize("fmt", ["fp8_dynamic", "int8_dynamic", "int8_weight_only"])
-def test_quantized_decoder_fuses_every_projection_with_its_prologue(fmt):
+@pytest.mark.parametrize("fmt, options", [
+    ("fp8_dynamic", CPU_REWRITE), ("fp8_dynamic", QUANT_IN_KERNEL), ("int8_dynamic", CPU_REWRITE),
+    ("int8_dynamic", QUANT_IN_KERNEL), ("int8_weight_only", CPU_REWRITE),
+], ids=["fp8_dynamic", "fp8_dynamic-kernel_quant", "int8_dynamic", "int8_dynamic-kernel_quant", "int8_weight_only"])
+def test_quantized_decoder_fuses_every_projection(fmt, options):
     """A Qwen3 decoder quantized with the project's helper: every linear (LM head included) is a quantized
-    site with its prologue, and the compiled logits match the eager quantized model."""
+    site, and the compiled logits match the eager quantized model. Weight-only sites take their
+    dequantization as the prologue; fp8 and int8 sites read the rows Inductor quantized (with the norm or
+    residual add that produces them), or with ``fuse_activation_quant`` quantize them in their prologue."""
     from helion_backend.quantize import quantize
 
     torch.manual_seed(0)
@@ -93,11 +98,15 @@ def test_quantized_decoder_fuses_every_projection_with_its_prologue(fmt):
     with torch.no_grad():
         expected = model(ids).logits
         helion_backend.clear_reports()
-        got = torch.compile(model, backend="helion_inductor", options={"rewrite_on_cpu": True})(ids).logits
+        got = torch.compile(model, backend="helion_inductor", options=options)(ids).logits
     assert ((got - expected).norm() / expected.norm()).item() < 1e-4
     found = [s for r in helion_backend.get_reports() for s in r.sites]
-    assert len(found) == QUANTIZED_SITES, [r.summary() for r in helion_backend.get_reports()]
-    assert all(s.prologue and s.runs_on == "reference" for s in found), [r.summary() for r in helion_backend.get_reports()]
+    summary = [r.summary() for r in helion_backend.get_reports()]
+    assert len(found) == QUANTIZED_SITES, summary
+    in_kernel = fmt == "int8_weight_only" or options.get("fuse_activation_quant", False)
+    assert all(bool(s.prologue) == in_kernel and s.runs_on == "reference" for s in found), summary
+    left = [any("left to Inductor" in note for note in s.notes) for s in found]
+    assert left == [not in_kernel] * QUANTIZED_SITES, summary
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])

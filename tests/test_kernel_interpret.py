@@ -213,7 +213,7 @@ def program_from(quantize_fn, x: torch.Tensor, w_kn: torch.Tensor):
         quantized, scale = quantize_fn(x)
         return torch._int_mm(quantized, w_kn).to(torch.float32) * scale
 
-    (site,) = trace_sites(linear, x)
+    (site,) = trace_sites(linear, x, fuse_activation_quant=True)
     assert site.quant_program is not None, site
     return site.quant_program
 
@@ -246,6 +246,30 @@ def test_dynamic_int8_kernel_matches_the_unfused_graph(split_k, prequantize):
                            **{PREQUANTIZE: prequantize})
     out = quant_gemm_helion(x, w_kn, QUANT_STEPS, operands, [], torch.float32, program, config=config)
     ref = reference(x, w_kn, QUANT_STEPS, operands, [], torch.float32, program)
+    assert rel_err(out, ref.double()) <= 1e-5
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_int8_kernel_on_rows_quantized_before_it(split_k):
+    """The default compile's int8 site: rows Inductor quantized, multiplied as they are in one launch (the
+    shipped configs' ``prequantize`` has nothing to quantize), their [M, 1] scale applied by ``token_scale``
+    after the int32 -> fp32 cast, in the graph's order."""
+    from helion_backend.dispatch import flatten_operands, reference
+    from helion_backend.kernels.configs import PREQUANTIZE
+    from helion_backend.kernels.gemm import record_launches
+    from helion_backend.kernels.quant_gemm import lowp_gemm_kernel, quant_gemm_helion
+
+    m, k, n = 5, 600, 40
+    xq, scale = int8_per_token(torch.randn(m, k))
+    w_kn = torch.randint(-128, 128, (n, k), dtype=torch.int8).t()
+    steps = ("cast", "token_scale", "channel_scale", "bias", "relu")
+    operands = flatten_operands([scale, torch.rand(n) + 0.5, torch.randn(n)], steps, n)
+    config = helion.Config(block_sizes=BLOCKS, num_warps=4, num_stages=1, split_k=split_k, **{PREQUANTIZE: True})
+    with record_launches() as launches:
+        out = quant_gemm_helion(xq, w_kn, steps, operands, [], torch.float32, None, config=config,
+                                kernel_family="gemm_int8")
+    assert [launch.kernel for launch in launches if launch.kernel.name != "epilogue_kernel"] == [lowp_gemm_kernel]
+    ref = reference(xq, w_kn, steps, operands, [], torch.float32)
     assert rel_err(out, ref.double()) <= 1e-5
 
 

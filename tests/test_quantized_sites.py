@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import os
 import random
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import CPU_REWRITE, compile_run, sites, sqnr_db
+from helpers import CPU_REWRITE, QUANT_IN_KERNEL, compile_run, sites, sqnr_db
 
 import helion_backend
 from helion_backend.dispatch import dequantize_int4
@@ -32,11 +33,26 @@ from helion_backend.quantize import (
 from helion_backend.rules import RuleError, load_rule_file
 
 FP8, FP8_MAX = torch.float8_e4m3fn, 448.0
+# Each format's prologue with fuse_activation_quant (the per-token quantizations in the kernel).
 PROLOGUE = {"fp8_dynamic": ["quant_fp8_per_token"], "int8_dynamic": ["quant_int8_per_token"],
             "int8_weight_only": ["dequant_int8"], "int4_weight_only": ["dequant_int4"],
             "fp8_block": ["quant_fp8_per_group", "dequant_fp8_block"]}
 KERNEL = {"fp8_dynamic": "gemm_fp8", "int8_dynamic": "gemm_int8", "int8_weight_only": "gemm_weight_only",
           "int4_weight_only": "gemm_int4", "fp8_block": "gemm_fp8_block"}
+PER_TOKEN = ("fp8_dynamic", "int8_dynamic")  # the formats whose activation Inductor quantizes by default
+# Every format as compiled by default, and the per-token ones also with their quantization in the kernel.
+FORMATS = [*((fmt, False) for fmt in sorted(PROLOGUE)), *((fmt, True) for fmt in PER_TOKEN)]
+FORMAT_IDS = [f"{fmt}-{'kernel_quant' if fused else 'default'}" for fmt, fused in FORMATS]
+LEFT_TO_INDUCTOR = "left to Inductor, which fuses it with the op producing the activation"
+
+
+def prologue_of(fmt: str, fused: bool) -> list[str]:
+    """The prologue a site of ``fmt`` reports, with or without fuse_activation_quant."""
+    return PROLOGUE[fmt] if fused or fmt not in PER_TOKEN else []
+
+
+def options_of(fused: bool) -> dict:
+    return QUANT_IN_KERNEL if fused else CPU_REWRITE
 
 
 class Block(nn.Module):
@@ -50,32 +66,84 @@ class Block(nn.Module):
 
 @pytest.mark.parametrize("lead", [(5,), (2, 3)], ids=["2d", "3d"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fmt", sorted(PROLOGUE))
-def test_library_forms_fuse_with_their_prologue_and_match_eager(fmt, dtype, lead):
+@pytest.mark.parametrize("fmt, fused", FORMATS, ids=FORMAT_IDS)
+def test_library_forms_fuse_with_their_prologue_and_match_eager(fmt, fused, dtype, lead):
     torch.manual_seed(0)
     model = quantize(Block().to(dtype).eval(), fmt)
     x, r = torch.randn(*lead, 256, dtype=dtype), torch.randn(*lead, 128, dtype=dtype)
     with torch.no_grad():
-        out, reports = compile_run(copy.deepcopy(model), x, r)
+        out, reports = compile_run(copy.deepcopy(model), x, r, options=options_of(fused))
         expected = model(x, r)
     (site,) = sites(reports)
-    assert (site.kernel, site.prologue, site.runs_on) == (KERNEL[fmt], PROLOGUE[fmt], "reference")
+    assert (site.kernel, site.prologue, site.runs_on) == (KERNEL[fmt], prologue_of(fmt, fused), "reference")
     assert "gelu_tanh" in site.epilogue and site.epilogue[-1] == "residual", site.epilogue
     # The reference replays the graph's own quantization; only the epilogue's fp32 (vs bf16 steps) differs.
     assert sqnr_db(expected, out) >= (90 if dtype == torch.float32 else 40)
 
 
-@pytest.mark.parametrize("fmt", sorted(PROLOGUE))
-def test_trace_sites_names_each_format_prologue(fmt):
+def record_fused_inputs(monkeypatch) -> list[tuple[torch.dtype, bool]]:
+    """Per call of the fused op: the dtype of the activation it reads, and whether it quantizes it."""
+    from helion_backend import dispatch
+
+    run = dispatch.run_gemm_epilogue
+    signature = inspect.signature(run)
+    calls = []
+
+    def recording(*args, **kwargs):
+        arguments = signature.bind(*args, **kwargs).arguments
+        calls.append((arguments["x"].dtype, arguments["quant_program"] != ""))
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "run_gemm_epilogue", recording)
+    return calls
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["default", "kernel_quant"])
+@pytest.mark.parametrize("fmt", PER_TOKEN)
+def test_per_token_quantization_runs_in_inductor_unless_the_option_fuses_it(fmt, fused, monkeypatch):
+    """By default the fp8/int8 site reads the rows Inductor quantized (with the RMSNorm that produces them)
+    and multiplies by their scale in its epilogue (``token_scale``), and the report says why; with
+    ``fuse_activation_quant`` the op reads the float rows and quantizes them (``act_scale``). Either way it
+    computes what the unfused graph does, on fresh inputs."""
+    torch.manual_seed(19)
+    model = quantize(nn.Sequential(nn.RMSNorm(256, eps=1e-6), nn.Linear(256, 128), nn.GELU(approximate="tanh")),
+                     fmt).eval()
+    with torch.no_grad():
+        model[0].weight.copy_(torch.rand(256) + 0.5)
+    calls = record_fused_inputs(monkeypatch)
+    helion_backend.clear_reports()
+    compiled = torch.compile(copy.deepcopy(model), backend="helion_inductor", options=options_of(fused))
+    for _ in range(2):
+        x = torch.randn(5, 256) * 3
+        with torch.no_grad():
+            out, expected = compiled(x), model(x)
+        assert expected.abs().max() > 0.1
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    (site,) = sites(helion_backend.get_reports())
+    assert (site.kernel, site.prologue, site.runs_on) == (KERNEL[fmt], prologue_of(fmt, fused), "reference"), site
+    scale = "act_scale" if fused else "token_scale"
+    assert scale in site.epilogue and site.epilogue[-1] == "gelu_tanh", site.epilogue
+    note = f"activation quantization ({PROLOGUE[fmt][0]}) {LEFT_TO_INDUCTOR}"
+    assert [note in n for n in site.notes] == ([] if fused else [True]), site.notes
+    quantized = {"fp8_dynamic": FP8, "int8_dynamic": torch.int8}[fmt]
+    assert calls == [(torch.float32, True) if fused else (quantized, False)] * 2
+
+
+@pytest.mark.parametrize("fmt, fused", FORMATS, ids=FORMAT_IDS)
+def test_trace_sites_names_each_format_prologue(fmt, fused):
     """``trace_sites`` (the tuner's and the kernel tests' view of a layer) names the prologue a compile
-    reports. make_fx reads a buffer through a node per use, and the int4 layer reads its packed bytes twice
-    (``p & 15``, ``p >> 4``): they are still one tensor."""
+    reports, and by default the note on a quantization left to Inductor. make_fx reads a buffer through a
+    node per use, and the int4 layer reads its packed bytes twice (``p & 15``, ``p >> 4``): they are still one
+    tensor."""
     from helion_backend.passes.trace import trace_sites
 
     torch.manual_seed(0)
     layer = quantize(nn.Linear(256, 128).to(torch.bfloat16), fmt)
-    (site,) = trace_sites(layer, torch.randn(4, 256, dtype=torch.bfloat16))
-    assert ([step.name for step in site.prologue], site.notes) == (PROLOGUE[fmt], []), site
+    (site,) = trace_sites(layer, torch.randn(4, 256, dtype=torch.bfloat16), fuse_activation_quant=fused)
+    assert [step.name for step in site.prologue] == prologue_of(fmt, fused), site
+    left = fmt in PER_TOKEN and not fused
+    assert [LEFT_TO_INDUCTOR in note for note in site.notes] == ([True] if left else []), site.notes
+    assert (site.quant_program is not None) == (fused or fmt == "fp8_block"), site
 
 
 def test_rescale_after_form_takes_the_unit_scales_as_steps():
@@ -84,7 +152,7 @@ def test_rescale_after_form_takes_the_unit_scales_as_steps():
     layer = Fp8DynamicLinear.from_linear(nn.Linear(256, 64).to(torch.bfloat16), rescale_after=True)
     x = torch.randn(4, 256, dtype=torch.bfloat16)
     with torch.no_grad():
-        out, reports = compile_run(layer, x)
+        out, reports = compile_run(layer, x, options=QUANT_IN_KERNEL)
         expected = layer(x)
     (site,) = sites(reports)
     assert site.prologue == ["quant_fp8_per_token"]
@@ -92,7 +160,8 @@ def test_rescale_after_form_takes_the_unit_scales_as_steps():
     assert sqnr_db(expected, out) >= 40
 
 
-def test_int_mm_on_rows_padded_to_17_is_seen_through(monkeypatch):
+@pytest.mark.parametrize("fused", [False, True], ids=["default", "kernel_quant"])
+def test_int_mm_on_rows_padded_to_17_is_seen_through(monkeypatch, fused):
     """cuBLAS needs M > 16 for _int_mm, so libraries pad the rows and slice them back: one site, no pad."""
     from helion_backend import quantize as quantize_module
 
@@ -101,10 +170,10 @@ def test_int_mm_on_rows_padded_to_17_is_seen_through(monkeypatch):
     monkeypatch.setattr(quantize_module, "_int_mm_any_m", functools.partial(quantize_module._int_mm_any_m, pad_to=17))
     x = torch.randn(3, 256)
     with torch.no_grad():
-        out, reports = compile_run(layer, x)
+        out, reports = compile_run(layer, x, options=options_of(fused))
         expected = layer(x)
     (site,) = sites(reports)
-    assert site.m == 3 and site.prologue == ["quant_int8_per_token"], site
+    assert site.m == 3 and site.prologue == prologue_of("int8_dynamic", fused), site
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -139,7 +208,7 @@ def test_quantized_activation_with_another_reader_still_fuses():
         return out, xq.float().sum()
 
     x = torch.randn(4, 256)
-    (out, total), reports = compile_run(fn, x)
+    (out, total), reports = compile_run(fn, x, options=QUANT_IN_KERNEL)
     (site,) = sites(reports)
     assert site.prologue == ["quant_fp8_per_token"]
     expected_out, expected_total = fn(x)
@@ -172,7 +241,7 @@ def test_rule_without_the_prologue_keeps_the_gemm_and_notes_why(tmp_path):
     layer = Fp8DynamicLinear.from_linear(nn.Linear(256, 64))
     x = torch.randn(4, 256)
     with torch.no_grad():
-        out, reports = compile_run(layer, x, options={**CPU_REWRITE, "builtin_rules": False, "rules": [str(rules)]})
+        out, reports = compile_run(layer, x, options={**QUANT_IN_KERNEL, "builtin_rules": False, "rules": [str(rules)]})
         expected = layer(x)
     (site,) = sites(reports)
     assert site.rule == "fp8_plain" and site.prologue == [], site
@@ -194,8 +263,9 @@ def test_rule_files_pair_kernel_families_with_their_dtypes_and_prologues(tmp_pat
     assert f"{path}:{line}:" in str(info.value) and message in str(info.value), str(info.value)
 
 
-@pytest.mark.parametrize("fmt", ["fp8_dynamic", "int8_dynamic", "fp8_block"])
-def test_zero_rows_saturation_and_nan_behave_as_the_unfused_graph(fmt):
+@pytest.mark.parametrize("fmt, fused", [("fp8_dynamic", False), ("fp8_dynamic", True), ("int8_dynamic", False),
+                                       ("int8_dynamic", True), ("fp8_block", False)])
+def test_zero_rows_saturation_and_nan_behave_as_the_unfused_graph(fmt, fused):
     """All-zero rows take the clamped scale; values far past the format's range saturate; a NaN row
     stays NaN (and only that row)."""
     torch.manual_seed(7)
@@ -205,7 +275,7 @@ def test_zero_rows_saturation_and_nan_behave_as_the_unfused_graph(fmt):
     x[2, :5] = 1e30
     x[3, 7] = float("nan")
     with torch.no_grad():
-        out, _ = compile_run(copy.deepcopy(layer), x)
+        out, _ = compile_run(copy.deepcopy(layer), x, options=options_of(fused))
         expected = layer(x)
     assert torch.equal(out.isnan(), expected.isnan())
     finite = ~expected.isnan()
@@ -293,10 +363,11 @@ def generated_program(seed: int):
 
 @pytest.mark.parametrize("seed", range(PROGRAMS))
 def test_generated_quantization_forms_fuse_and_match_eager(seed):
+    """Each form is recognized and replayed in the kernel's prologue (the option that puts it there)."""
     fn, args, describe = generated_program(seed)
     helion_backend.clear_reports()
     torch._dynamo.reset()
-    out, reports = compile_run(fn, *args)
+    out, reports = compile_run(fn, *args, options=QUANT_IN_KERNEL)
     expected = fn(*args)
     (site,) = sites(reports)
     assert site.prologue and site.prologue[0].startswith("quant_"), f"{describe}\n{site}"
@@ -314,7 +385,7 @@ def test_rule_that_stops_before_the_rescale_cannot_take_the_prologue(tmp_path):
     layer = Int8DynamicLinear.from_linear(nn.Linear(256, 64))
     x = torch.randn(4, 256)
     with torch.no_grad():
-        out, reports = compile_run(layer, x, options={**CPU_REWRITE, "builtin_rules": False, "rules": [str(rules)]})
+        out, reports = compile_run(layer, x, options={**QUANT_IN_KERNEL, "builtin_rules": False, "rules": [str(rules)]})
         expected = layer(x)
     (site,) = sites(reports)
     assert site.rule == "int8_cast" and site.prologue == [] and site.epilogue == ["cast"], site
@@ -322,21 +393,22 @@ def test_rule_that_stops_before_the_rescale_cannot_take_the_prologue(tmp_path):
 
 
 @pytest.mark.parametrize("dynamic", [None, True], ids=["mark_dynamic", "dynamic_true"])
-@pytest.mark.parametrize("fmt", sorted(PROLOGUE))
-def test_dynamic_token_count(fmt, dynamic):
+@pytest.mark.parametrize("fmt, fused", FORMATS, ids=FORMAT_IDS)
+def test_dynamic_token_count(fmt, fused, dynamic):
     """A symbolic M keeps the prologue, marked (``mark_dynamic``) or everywhere (``dynamic=True``, which also
     makes Python floats the forward reads graph inputs: the layers read their fp8 bound where Dynamo keeps it
     a constant)."""
     torch.manual_seed(9)
     model = quantize(nn.Sequential(nn.Linear(256, 128), nn.GELU()), fmt)
-    compiled = torch.compile(model, backend="helion_inductor", options=CPU_REWRITE, dynamic=dynamic)
+    compiled = torch.compile(model, backend="helion_inductor", options=options_of(fused), dynamic=dynamic)
     for m in (3, 7, 40):
         x = torch.randn(m, 256)
         torch._dynamo.mark_dynamic(x, 0)
         with torch.no_grad():
             torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
     found = sites(helion_backend.get_reports())
-    assert [(site.m, site.prologue, site.kernel) for site in found] == [("dynamic", PROLOGUE[fmt], KERNEL[fmt])], found
+    assert [(site.m, site.prologue, site.kernel) for site in found] == [
+        ("dynamic", prologue_of(fmt, fused), KERNEL[fmt])], found
 
 
 # A Python float global: under torch.compile(dynamic=True), a graph input (a 0-d float64 tensor) of the graphs

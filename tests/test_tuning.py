@@ -372,10 +372,11 @@ def test_tune_key_without_a_valid_config_fails_with_the_reasons(cpu_table_dir, m
                         timer=lambda step: 1.0)
 
 
-def family_key(kernel: str) -> TuneKey:
-    """A small key of ``kernel`` as a compile records it (the float ones with their RMSNorm)."""
+def family_key(kernel: str, fused: bool = False) -> TuneKey:
+    """A small key of ``kernel`` as a compile records it (the float ones with their RMSNorm; the quantized ones
+    as the option ``fuse_activation_quant`` says)."""
     if kernel in QUANT_FORMAT_OF:
-        dtype, prologue, steps = quantized_site(kernel)
+        dtype, prologue, steps = quantized_site(kernel, fused)
         return TuneKey(kernel, (*steps, "gelu_tanh", "residual"), dtype, 1024, 256, 2, prologue=prologue)
     widths = (128, 64, 64) if kernel == "gemm_multi" else ()
     epilogue = {"gemm": ("bias", "gelu_tanh"), "gemm_glu": ("silu", "up_mul"), "gemm_multi": ("relu",)}[kernel]
@@ -383,12 +384,18 @@ def family_key(kernel: str) -> TuneKey:
 
 
 FAMILIES = ["gemm", "gemm_glu", "gemm_multi", *QUANT_FORMAT_OF]
+# Each family's sites as compiled by default, and fp8's and int8's also with their activation quantized in the kernel.
+QUANT_IN_KERNEL_FAMILIES = ("gemm_fp8", "gemm_int8")
+FAMILY_CASES = [*((kernel, False) for kernel in FAMILIES), *((kernel, True) for kernel in QUANT_IN_KERNEL_FAMILIES)]
+FAMILY_IDS = [kernel + ("-kernel_quant" if fused else "") for kernel, fused in FAMILY_CASES]
 
 
-@pytest.mark.parametrize("kernel", FAMILIES)
-def test_every_family_searches_its_own_keys_and_records_the_table_layout(kernel, cpu_table_dir, reference_kernels):
+@pytest.mark.parametrize("kernel, fused", FAMILY_CASES, ids=FAMILY_IDS)
+def test_every_family_searches_its_own_keys_and_records_the_table_layout(kernel, fused, cpu_table_dir,
+                                                                         reference_kernels):
     ran, _ = reference_kernels
-    k = family_key(kernel)
+    k = family_key(kernel, fused)
+    assert ("token_scale" in k.epilogue) == (kernel in QUANT_IN_KERNEL_FAMILIES and not fused), k
     problem = build_problem(k, torch.device("cpu"))
     searches = []
 
@@ -403,14 +410,18 @@ def test_every_family_searches_its_own_keys_and_records_the_table_layout(kernel,
     entry = tuning.tune_key(k, torch.device("cpu"), effort="quick", budget_s=12, tuner=tuner, timer=timer)
 
     splits = [{"split_k": s} for s in configs.split_k_choices(k.k)]
-    expected = {"gemm_glu": [{}], "gemm_multi": [{}],
-                "gemm_fp8": [{**s, "prequantize": p} for s in splits for p in (False, True)],
-                "gemm_int8": [{**s, "prequantize": p} for s in splits for p in (False, True)]}.get(kernel, splits)
+    # prequantize is searched where the kernel quantizes the rows; a pre-quantized site keeps today's.
+    prequantize = [{**s, "prequantize": p} for s in splits for p in (False, True)]
+    expected = {"gemm_glu": [{}], "gemm_multi": [{}], "gemm_fp8": prequantize if fused else splits,
+                "gemm_int8": prequantize if fused else splits}.get(kernel, splits)
     assert [dict(s.fixed) for s in searches] == expected
     best = problem.table_config(tuner(searches[0], "quick", 1), searches[0])
+    if kernel in QUANT_IN_KERNEL_FAMILIES:
+        assert "prequantize" in best, best
     assert entry["config"] == dict(best) and entry["config"]["num_warps"] == 8 and best in ran
     assert (entry["us"], entry["fallback_us"], entry["helion_wins"]) == (1.0, 1.5, True)
-    assert {"kernel": kernel, "dtype": k.dtype, "k": k.k, "n": k.n, "m": k.m, "prologue": list(k.prologue)}.items() \
+    prologue = {"prologue": list(k.prologue)} if k.prologue else {}  # an entry names a prologue only where there is one
+    assert {"kernel": kernel, "dtype": k.dtype, "k": k.k, "n": k.n, "m": k.m, **prologue}.items() \
         <= {"kernel": "gemm", **entry}.items()
     if kernel == "gemm":  # the norm kernel's [K, M, N] blocks, back in the table's [M, N, K]
         assert best == helion.Config(**{**searches[0].seed, "num_warps": 8})
@@ -429,8 +440,9 @@ def test_every_family_searches_its_own_keys_and_records_the_table_layout(kernel,
 
 @pytest.mark.parametrize("tune_key, message", [
     (TuneKey("gemm_multi", (), "bfloat16", 256, 384, 1), "gemm_multi site recorded without its outputs' widths"),
-    (TuneKey("gemm_fp8", ("act_scale",), "float8_e4m3fn", 256, 256, 1), "gemm_fp8 site without the "
-     "quant_fp8_per_token prologue"),
+    (TuneKey("gemm_fp8", ("act_scale",), "float8_e4m3fn", 256, 256, 1),  # pre-quantized: its scale is token_scale
+     r"the gemm_fp8 layer computes the steps \['token_scale', 'channel_scale'\]; the site's epilogue "
+     r"\['act_scale'\] does not start with them"),
     (TuneKey("gemm_fp8", ("bias",), "float8_e4m3fn", 256, 256, 1, prologue=("quant_fp8_per_token",)),
      r"the gemm_fp8 layer computes the steps \['act_scale', 'channel_scale', 'bias'\]; the site's epilogue "
      r"\['bias'\] does not start with them"),
@@ -526,9 +538,9 @@ def test_tune_one_small_key_end_to_end(tmp_path, capsys):
     assert "skipped" in capsys.readouterr().err
 
 
-def gpu_family_site(kernel: str) -> ManifestSite:
+def gpu_family_site(kernel: str, fused: bool = False) -> ManifestSite:
     """A small site of ``kernel`` at M = 4, K = 1024, as a compile records it."""
-    k = family_key(kernel)
+    k = family_key(kernel, fused)
     n = 1536 if kernel == "gemm_multi" else 1024
     widths = (1024, 256, 256) if kernel == "gemm_multi" else ()
     return ManifestSite.declared(kernel, k.epilogue, k.dtype, 1024, n, m=4, helion_limit=32, prologue=k.prologue,
@@ -536,10 +548,10 @@ def gpu_family_site(kernel: str) -> ManifestSite:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", FAMILIES)
-def test_every_family_tunes_a_small_key_into_the_table_end_to_end(kernel, tmp_path, capsys):
+@pytest.mark.parametrize("kernel, fused", FAMILY_CASES, ids=FAMILY_IDS)
+def test_every_family_tunes_a_small_key_into_the_table_end_to_end(kernel, fused, tmp_path, capsys):
     """A few seconds of autotuning per family (with --table): the entry is valid and its config runs right."""
-    site = gpu_family_site(kernel)
+    site = gpu_family_site(kernel, fused)
     manifest = write_manifest(tmp_path / "manifest.json", [site])
     path = tmp_path / "table.json"
     argv = ["tune", str(manifest), "--table", str(path), "--effort", "quick", "--budget-per-key", "3"]

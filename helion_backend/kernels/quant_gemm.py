@@ -13,6 +13,9 @@ little at M = 1 and dominates at M = 8-32. The config key ``prequantize`` (ours,
 quantization once instead, in ``quantize_rows_kernel`` (one program per row, writing the quantized
 rows and their scales), and the GEMM then multiplies the quantized rows as they are
 (``lowp_gemm_kernel``), rescaling them in the epilogue: two launches, and the one store of the output.
+By default the backend leaves the quantization to Inductor (fused with the op producing the activation)
+and the site runs ``lowp_gemm_kernel`` on the quantized rows: the two paths above, which quantize, run
+only with the option ``fuse_activation_quant``.
 
 ``lowp_gemm_kernel`` multiplies inputs as they come: fp8 x fp8 or int8 x int8 (already quantized), or a
 float activation with an int8 weight converted block by block (weight-only).

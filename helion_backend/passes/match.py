@@ -1,8 +1,10 @@
 """Match: follow each GEMM's epilogue through the graph and pick the rule that fuses most of it.
 
-A quantized GEMM whose input was quantized per token just before it takes that quantization as its
-prologue: the kernel then reads the float activation, and the ``token_scale`` step that rescales
-the rows by the quantization's own scale becomes ``act_scale`` (the kernel knows that scale).
+A quantized GEMM whose input was quantized per token just before it reads the quantized rows, and its
+``token_scale`` step multiplies by their scale: Inductor computes the quantization, fused into the kernel
+that produces the activation (an RMSNorm, a residual add), at no launch of its own. With the option
+``fuse_activation_quant`` the GEMM takes that quantization as its prologue instead: the kernel then reads
+the float activation, and the ``token_scale`` step becomes ``act_scale`` (the kernel knows that scale).
 """
 
 from __future__ import annotations
@@ -28,14 +30,15 @@ _MAX_CHAIN = 32
 
 def run(ctx: PassContext) -> None:
     for site in ctx.sites:
-        follow_chain(site)
+        follow_chain(site, ctx.options.fuse_activation_quant)
         choose_rule(site, ctx.rules)
 
 
-def follow_chain(site: GemmSite) -> None:
-    """Every recognized step after the GEMM, and the activation quantization or RMSNorm before it if there is one."""
+def follow_chain(site: GemmSite, fuse_activation_quant: bool) -> None:
+    """Every recognized step after the GEMM, and the RMSNorm before it if there is one; the activation
+    quantization before it too where ``fuse_activation_quant`` (the option) says so."""
     site.chain = site.leading_steps + _follow(site)
-    _fuse_activation_quant(site)
+    _fuse_activation_quant(site, fuse_activation_quant)
     fuse_rmsnorm(site)
 
 
@@ -53,7 +56,9 @@ def fuse_rmsnorm(site: GemmSite) -> None:
                            x=found.x, rms_norm=found)
 
 
-def _fuse_activation_quant(site: GemmSite) -> None:
+def _fuse_activation_quant(site: GemmSite, fuse: bool) -> None:
+    """The per-token quantization before a quantized GEMM as its prologue, if ``fuse``; else only a note
+    where it would have been fused (the recognizer still runs, so the note is true)."""
     if site.dtype not in QUANT_DTYPES.values():
         return
     i = next((i for i, step in enumerate(site.chain) if step.name == "token_scale"), None)
@@ -68,10 +73,15 @@ def _fuse_activation_quant(site: GemmSite) -> None:
                               f"({activation_quant_problem(site.x, step.operand)}): the GEMM reads the quantized "
                               "activation")
         return
+    name = ACTIVATION_QUANT_STEPS[found.program.quant_dtype]
+    if not fuse:
+        site.notes.append(f"activation quantization ({name}) left to Inductor, which fuses it with the op producing "
+                          "the activation; option fuse_activation_quant fuses it into the kernel")
+        return
     chain = list(site.chain)
     chain[i] = Step("act_scale", step.nodes)
     site.fuse_prologue(
-        Step(ACTIVATION_QUANT_STEPS[found.program.quant_dtype], list(found.nodes)),
+        Step(name, list(found.nodes)),
         x=found.x, quant_program=found.program, chain=chain,
     )
 

@@ -36,7 +36,8 @@ def run(ctx: PassContext) -> None:
 
 def _try_gated(site: GemmSite, plain: dict[fx.Node, GemmSite], ctx: PassContext) -> None:
     matched = _snapshot(site)
-    follow_chain(site)  # the whole chain, not the prefix the chosen rule kept, and the norm if match dropped it
+    # The whole chain, not the prefix the chosen rule kept, and the norm if match dropped it.
+    follow_chain(site, ctx.options.fuse_activation_quant)
     site.notes = list(matched["notes"])  # follow_chain's notes repeat match's
     steps = [(i, s) for i, s in enumerate(site.chain) if not s.transparent]
     up = _up_projection(site, steps, plain)

@@ -13,18 +13,21 @@ import torch.fx as fx
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from ..options import BackendOptions
 from . import match, normalize
 from .context import GemmSite, PassContext
 
 
-def trace_sites(fn: Callable[..., Any], *args: Any) -> list[GemmSite]:
-    """The GEMM sites of ``fn(*args)`` with their operands, epilogue chains and prologues."""
+def trace_sites(fn: Callable[..., Any], *args: Any,
+                fuse_activation_quant: bool = BackendOptions.fuse_activation_quant) -> list[GemmSite]:
+    """The GEMM sites of ``fn(*args)`` with their operands, epilogue chains and prologues, as a compile with
+    the option ``fuse_activation_quant`` (by default, the backend's default) finds them."""
     gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
     _one_node_per_constant(gm.graph)
     ctx = PassContext(graph=gm.graph, options=None, rules=[], report=None)
     normalize.run(ctx)
     for site in ctx.sites:
-        match.follow_chain(site)
+        match.follow_chain(site, fuse_activation_quant)
     return ctx.sites
 
 
