@@ -414,8 +414,9 @@ def _quantized_call(family: str, layer: torch.nn.Module, rows: tuple[torch.Tenso
     layer's ``own`` steps from the layer (weight scales, bias) or the rows (``(x_quantized, scale)``: the
     token_scale), then ``extra`` for the steps after them."""
     x, *row_scale = rows
+    # The rows' [M, 1] scales as the fused op reads a column operand: one per output element, a broadcast view.
     from_layer = {"channel_scale": lambda: layer.weight_scale.reshape(-1).float(), "bias": lambda: layer.bias,
-                  "token_scale": lambda: row_scale[0]}
+                  "token_scale": lambda: row_scale[0].reshape(-1, 1).expand(x.shape[0], layer.qweight.shape[0])}
     operands = [*(from_layer[step]() for step in own if operand_kinds((step,))), *extra]
     common = dict(x=x, steps=steps, operands=operands, scalars=scalars, out_dtype=out_dtype)
     if family == INT4_FAMILY:
