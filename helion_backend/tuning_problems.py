@@ -414,10 +414,11 @@ def _quantized_call(family: str, layer: torch.nn.Module, rows: tuple[torch.Tenso
     layer's ``own`` steps from the layer (weight scales, bias) or the rows (``(x_quantized, scale)``: the
     token_scale), then ``extra`` for the steps after them."""
     x, *row_scale = rows
-    # The rows' [M, 1] scales as the fused op reads a column operand: one per output element, a broadcast view.
     from_layer = {"channel_scale": lambda: layer.weight_scale.reshape(-1).float(), "bias": lambda: layer.bias,
-                  "token_scale": lambda: row_scale[0].reshape(-1, 1).expand(x.shape[0], layer.qweight.shape[0])}
-    operands = [*(from_layer[step]() for step in own if operand_kinds((step,))), *extra]
+                  "token_scale": lambda: row_scale[0]}
+    # Flattened as the fused op hands them to the kernels (the rows' [M, 1] scales become an [M, N] view).
+    operands = [*dispatch.flatten_operands([from_layer[step]() for step in own if operand_kinds((step,))], own,
+                                           layer.out_features), *extra]
     common = dict(x=x, steps=steps, operands=operands, scalars=scalars, out_dtype=out_dtype)
     if family == INT4_FAMILY:
         return Call(w_kn=layer.packed.t(), weight_scale=layer.scales, **common)

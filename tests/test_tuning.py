@@ -15,7 +15,7 @@ import benchmarks.common
 from helion_backend import dispatch, timing, tuning, tuning_problems
 from helion_backend.__main__ import main
 from helion_backend.kernels import configs
-from helion_backend.kernels.gemm import norm_kernel_config
+from helion_backend.kernels.gemm import Layout, Signature, check_operands, norm_kernel_config
 from helion_backend.manifest import ManifestSite
 from helion_backend.tuning import ConfigTable, TuneError, TuneKey
 from helion_backend.tuning_problems import QUANT_FORMAT_OF, build_problem, quantized_site
@@ -292,11 +292,13 @@ def cpu_table_dir(tmp_path, monkeypatch):
 @pytest.fixture
 def reference_kernels(monkeypatch):
     """Every family's kernel replaced by the reference, recording the configs it is run with (a config
-    equal to ``wrong`` computes twice the result)."""
+    equal to ``wrong`` computes twice the result). The operands are checked as the kernels check them."""
     ran, wrong = [], []
 
     def run_kernel(family, x, w_kn, steps, operands, scalars, out_dtype, config_dir=None, program=None, up_kn=None,
                    weight_scale=None, norm=None, config=None):
+        check_operands(Signature(Layout.of(x), Layout.of(w_kn), tuple(map(Layout.of, operands)), len(scalars),
+                                 tuple(steps), out_dtype))
         ran.append(config)
         out = dispatch.unfused(x, w_kn, steps, operands, scalars, out_dtype, program, up_kn, weight_scale, norm)
         return out * 2 if config in wrong else out
