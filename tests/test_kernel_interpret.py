@@ -622,7 +622,11 @@ def test_decode_attention_masked_positions_add_a_finite_bias(split_kv):
 def test_decode_attention_combine_tiles_the_head_dimension():
     """Nine chunks of 4 rows of D = 128 overflow one combine program's tile: D is split (two programs per
     row block), and every column is still merged."""
-    from helion_backend.kernels.attention import COMBINE_TILE_ELEMENTS, combine_config, decode_attention_helion
+    from helion_backend.kernels.attention import (
+        COMBINE_TILE_ELEMENTS,
+        combine_config,
+        decode_attention_helion,
+    )
 
     config = combine_config(9, 4, 128)
     block_r, block_d = config["block_sizes"]

@@ -45,9 +45,10 @@ def decode_attention_kernel(
     lse: torch.Tensor,
 ) -> None:
     """q [B, H, R, D]; k, v [B, H, L, D]; optional additive ``bias`` and boolean ``keep`` [B, H, R, L] (any
-    strides: broadcast views), whose False positions add ``masked_bias`` (-inf: they drop out). Cache chunk ``s`` writes its rows' output ``out[s]`` ([S, B, H, R, D],
-    normalized within the chunk) and base-2 log-sum-exp ``lse[s]`` ([S, B, H, R]); a row with every
-    position of the chunk masked writes zeros and ``-inf``."""
+    strides: broadcast views), whose False positions add ``masked_bias`` (-inf: they drop out). Cache chunk
+    ``s`` writes its rows' output ``out[s]`` ([S, B, H, R, D], normalized within the chunk) and base-2
+    log-sum-exp ``lse[s]`` ([S, B, H, R]); a row with every position of the chunk masked out (-inf) writes
+    zeros and ``-inf``."""
     b, h, r, d = q.size()
     kv_len = k.size(2)
     block_l = hl.register_block_size(kv_len)
@@ -170,8 +171,9 @@ def decode_attention_helion(
     [B, H, R, D] tensor of q's dtype, written into ``out`` (any strides) when given: ``mask`` is None,
     boolean (True attends; the others add ``masked_bias`` to their logits, so that a finite one computes
     ``attn_mask=where(mask, 0, masked_bias)``) or an additive float bias, any shape that broadcasts to
-    [B, H, R, L]; ``scale`` defaults to ``1/sqrt(D)``. With fewer key/value heads than query heads (grouped-query attention), the
-    query heads of one key/value head are its rows, so each cache is read once."""
+    [B, H, R, L]; ``scale`` defaults to ``1/sqrt(D)``. With fewer key/value heads than query heads
+    (grouped-query attention), the query heads of one key/value head are its rows, so each cache is read
+    once."""
     check_inputs(q, k, v, mask)
     b, h, r, d = q.shape
     if out is None:
