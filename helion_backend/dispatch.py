@@ -154,8 +154,8 @@ def run_multi_gemm_epilogue(
     return unfused_multi(x, w_kns, steps, flat, scalars, out_dtype, norm)
 
 
-def run_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                         scale: float, masked_bias: float, out_stride: Sequence[int], site: str = "") -> torch.Tensor:
+def run_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                         masked_bias: float, out_stride: Sequence[int], site: str = "") -> torch.Tensor:
     """The ``decode_attention`` op: the Helion decode kernel on CUDA, else (and after it failed here)
     PyTorch's ``scaled_dot_product_attention``; into a fresh tensor of strides ``out_stride``."""
     out = q.new_empty_strided(q.shape, out_stride)

@@ -120,9 +120,9 @@ def decode_attention(
     kernel on CUDA, SDPA elsewhere.
     ``mask`` is None, boolean (True attends; the other positions add ``masked_bias`` to their logits, -inf
     in SDPA's own conversion, cuDNN's finite -65504 where the graph had it) or an additive float bias
-    broadcasting to [B, H, R, L]. The
-    result has the strides ``out_stride`` of the node it replaces (the graph's views of it were traced
-    with them). ``site`` names the node in the report, for the warning if the kernel fails."""
+    broadcasting to [B, H, R, L]. The result has the strides ``out_stride`` of the node it replaces (the
+    graph's views of it were traced with them). ``site`` names the node in the report, for the warning if
+    the kernel fails."""
     return dispatch.run_decode_attention(query, key, value, mask, scale, masked_bias, out_stride, site)
 
 
