@@ -8,7 +8,8 @@ helion_inductor, from importing the backend, which imports Inductor as the first
 other variant does) through the first compiled call (Dynamo, AOTAutograd, Inductor, Helion's kernel
 compiles, one run). Both variants compile without CUDA graphs, so the figure is compilation, not graph
 recording. Writes ``<gpu>_compile_time.json`` and ``.md``; with ``--profile``, also the functions that
-took the warm first call's time, per variant (``<gpu>_compile_profile_<variant>.txt``, cProfile).
+took the warm first call's time, per variant (``<gpu>_compile_profile_<variant>.txt``, cProfile, and its
+raw statistics beside it, ``.txt.prof``, for ``pstats``).
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ torch.cuda.synchronize()
 seconds = time.perf_counter() - start
 if profile:
     profile.disable()
+    profile.dump_stats(sys.argv[3] + ".prof")
     with open(sys.argv[3], "w") as f:
-        pstats.Stats(profile, stream=f).sort_stats("cumulative").print_stats(60)
+        pstats.Stats(profile, stream=f).sort_stats("cumulative").print_stats(80)
 print(json.dumps({"seconds": seconds}))
 """
 
