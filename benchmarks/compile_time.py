@@ -15,6 +15,7 @@ raw statistics beside it, ``.txt.prof``, for ``pstats``).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -92,12 +93,24 @@ def measure(variant: str, repeats: int, profile_to: Path | None = None) -> dict[
     return {"cold_s": statistics.median(cold), "warm_s": statistics.median(warm)}
 
 
+def helion_bytecode_state() -> str:
+    """Whether Helion's modules load from bytecode, as after a default ``pip install``: without it every
+    process compiles Helion's sources again (the GPU image sets ``PYTHONDONTWRITEBYTECODE``)."""
+    spec = importlib.util.find_spec("helion")
+    if spec is None or spec.origin is None:
+        return "helion not installed"
+    cached = Path(importlib.util.cache_from_source(spec.origin)).exists()
+    return "compiled" if cached else "not compiled: each process compiles Helion's sources"
+
+
 def markdown(metadata: dict, results: dict[str, dict[str, float]]) -> str:
     ratio = {k: results["helion_inductor"][k] / results["compile"][k] for k in ("cold_s", "warm_s")}
     lines = [
         f"# Compile time of the quickstart model: {metadata['device']}",
         "",
-        *(f"- {key}: `{metadata[key]}`" for key in ("command", "torch", "triton", "helion", "date")),
+        *(f"- {key}: `{metadata[key]}`" for key in ("command", "torch", "triton", "helion", "date")
+          if key in metadata),
+        f"- Helion's bytecode: `{metadata.get('helion_bytecode', 'not recorded')}`",
         "- first compiled call (wall seconds, median over fresh cache folders); `cold`: empty caches, "
         "`warm`: a second process over the caches the first one filled",
         "",
@@ -121,7 +134,7 @@ def main(argv: list[str]) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("compile_time.py measures on a CUDA GPU; none is available")
     device = torch.device("cuda")
-    metadata = run_metadata(device)
+    metadata = {**run_metadata(device), "helion_bytecode": helion_bytecode_state()}
     args.out_dir.mkdir(parents=True, exist_ok=True)
 
     def profile_path(variant: str) -> Path | None:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 
-import helion
-import torch
+from .helion_import import import_helion
+
+helion = import_helion()  # before the kernel modules below import it: see .helion_import
+
+import torch  # noqa: E402
 
 from ..norm import RmsNormSpec
 from ..quant_program import QuantProgram
