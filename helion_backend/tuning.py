@@ -415,11 +415,11 @@ def tune_missing(sites: Sequence[ManifestSite], options: BackendOptions, device:
                     type(e).__name__, e)
         for key in keys:
             outcomes.setdefault(key.table_key, f"{key}: not tuned ({type(e).__name__}: {e})")
-        summary = None
-    if summary is not None and summary.tuned:
+        return outcomes
+    finally:  # whatever was written (an interrupt keeps the keys done) is seen from now on
         configs.forget_tables()
-        log.info("helion_inductor: autotuned %d key(s) in %s (%d failed) -> %s", summary.tuned,
-                 format_duration(time.monotonic() - start), len(summary.failed), path)
+    log.info("helion_inductor: autotuned %d key(s) in %s (%d failed) -> %s", summary.tuned,
+             format_duration(time.monotonic() - start), len(summary.failed), path)
     return outcomes
 
 
