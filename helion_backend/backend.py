@@ -1,7 +1,9 @@
 """The ``helion_inductor`` backend: Inductor's ``compile_fx`` with the pass manager installed.
 
 Everything not fused is compiled by Inductor exactly as ``torch.compile`` would; the backend only adds
-its post-grad pass, CUDA graphs on by default for graphs on CUDA devices, and the report.
+its post-grad pass, CUDA graphs on by default for graphs on CUDA devices, and the report. With the option
+``autotune_missing``, the compiled graph autotunes the Helion keys it needs that no config table holds, once,
+before it first runs (:class:`AutotuneBeforeFirstRun`).
 """
 
 from __future__ import annotations
@@ -10,14 +12,16 @@ import copy
 import hashlib
 import json
 import logging
+import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-from . import BACKEND_NAME, code_cache
+from . import BACKEND_NAME, code_cache, dispatch
 from . import report as reports
+from .manifest import ManifestSite
 from .options import BackendOptions
 from .passes.manager import HelionPassManager
 from .token_routing import TokenRouter, make_token_counter
@@ -50,6 +54,13 @@ def helion_inductor(
         with torch._functorch.config.patch(enable_autograd_cache=False):
             compiled = _compile(gm, example_inputs, manager, {**patches, "fx_graph_cache": False})
         state = _saved_state(manager, gm, example_inputs, opts)
+    routed = _route_tokens(compiled, pristine, state, example_inputs, patches)
+    return _with_autotuning(routed, state, opts, example_inputs)
+
+
+def _route_tokens(compiled: Callable[..., Any], pristine: torch.fx.GraphModule | None, state: dict[str, Any] | None,
+                  example_inputs: Sequence[Any], patches: dict[str, Any]) -> Callable[..., Any]:
+    """``compiled``, or with a dynamic M a router between it and a plain variant compiled from ``pristine``."""
     dynamic_sites = state["dynamic_sites"] if state else []
     if pristine is None or not dynamic_sites:
         return compiled
@@ -62,6 +73,79 @@ def helion_inductor(
     plain_patches = {k: v for k, v in patches.items() if k != "post_grad_custom_pre_pass"}
     plain = compile_fx(pristine, example_inputs, config_patches=plain_patches)
     return TokenRouter(small=compiled, large=plain, site_ms=site_ms, limits=[limit for _, limit in dynamic_sites])
+
+
+def _with_autotuning(compiled: Callable[..., Any], state: dict[str, Any] | None, opts: BackendOptions,
+                     example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    """``compiled``, first autotuning its graphs' missing keys where the option ``autotune_missing`` asks."""
+    if not opts.autotune_missing:
+        return compiled
+    graphs = [(report, sites) for report, sites in (state or {}).get("graphs", []) if sites]
+    device = _tuning_device(example_inputs)
+    if device is None or not graphs:
+        log.debug("helion_inductor: autotune_missing: nothing to tune (%s)",
+                  "no Helion site" if device is not None else "not a CUDA graph, or Helion cannot run")
+        return compiled
+    return AutotuneBeforeFirstRun(compiled, graphs, opts, device)
+
+
+def _tuning_device(example_inputs: Sequence[Any]) -> torch.device | None:
+    """The CUDA device whose keys ``autotune_missing`` tunes; None off CUDA or where Helion cannot run (the CPU
+    tests replace this, and nothing else, to run the loop with injected tuners)."""
+    if dispatch.helion_unavailable_reason() is not None:
+        return None
+    return next((x.device for x in example_inputs if isinstance(x, torch.Tensor) and x.is_cuda), None)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class AutotuneBeforeFirstRun:
+    """Calls ``compiled``; the first call made outside CUDA-graph capture first autotunes the keys its graphs'
+    Helion sites need and no table holds (:func:`.tuning.tune_missing`).
+
+    Not in the backend call: there Dynamo's tracing context (and its fake mode) is active, while tuning compiles
+    Helion kernels and ``torch.compile`` fallbacks and runs them on real tensors. Not in a capture: tuning
+    synchronizes and captures graphs of its own; a call under a caller's ``torch.cuda.graph`` runs the
+    configs it has and leaves tuning to the next call. Inductor's cudagraph trees capture inside ``compiled``,
+    after the tuning. The fused ops look their configs up per call, so the first run already uses the new ones.
+    """
+
+    def __init__(self, compiled: Callable[..., Any], graphs: list[tuple[reports.GraphReport, list[ManifestSite]]],
+                 opts: BackendOptions, device: torch.device) -> None:
+        self.compiled = compiled
+        self.graphs = graphs
+        self.opts = opts
+        self.device = device
+        self._pending = True
+        self._lock = threading.Lock()
+
+    def __call__(self, *args: Any) -> Any:
+        if self._pending and not _capturing():
+            with self._lock:
+                if self._pending:
+                    try:
+                        self._tune()
+                    except Exception as e:  # tune_missing does not raise; a bug here must not fail the run
+                        log.warning("helion_inductor: autotune_missing failed (%s: %s); configs unchanged",
+                                    type(e).__name__, e, exc_info=True)
+                    finally:
+                        self._pending = False
+        return self.compiled(*args)
+
+    def _tune(self) -> None:
+        from . import tuning  # imports Helion: only where a key may need tuning
+
+        outcomes = tuning.tune_missing([site for _, sites in self.graphs for site in sites], self.opts, self.device)
+        for report, sites in self.graphs:
+            own = {key.table_key for key in tuning.expand_keys(sites, tuning.DEFAULT_NUM_TOKENS)}
+            report.autotuned = [text for key, text in outcomes.items() if key in own]
+            if report.autotuned and self.opts.debug_dir:
+                try:
+                    reports.write_report(Path(self.opts.debug_dir) / report.graph, report)
+                except OSError as e:
+                    log.warning("helion_inductor: cannot update the report in %s: %s", self.opts.debug_dir, e)
 
 
 def _compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], manager: HelionPassManager,
@@ -96,23 +180,28 @@ def _saved_state(manager: HelionPassManager, gm: torch.fx.GraphModule,
     """Keep what the pipeline learned beside Inductor's caches, and replay it on a cache hit.
 
     A hit in Inductor's FX graph cache or AOTAutograd's cache skips the post-grad passes, so the
-    pipeline never sees the graph; what it saved when it did (the reports, and the symbolic M of the
-    rewritten sites, as strings) is served instead. None when there is nothing to serve.
+    pipeline never sees the graph; what it saved when it did (the reports, the symbolic M of the
+    rewritten sites, as strings, and each graph's Helion sites, for ``autotune_missing``) is served
+    instead. ``graphs`` pairs each report with its sites. None when there is nothing to serve.
     """
     path = Path(opts.cache_dir) / "reports" / f"{_graph_key(manager, gm, example_inputs)}.json"
     if manager.reports:
         state = {"reports": [r.to_json() for r in manager.reports],
-                 "dynamic_sites": [[str(expr), limit] for expr, limit in manager.dynamic_sites]}
+                 "dynamic_sites": [[str(expr), limit] for expr, limit in manager.dynamic_sites],
+                 "helion_sites": [[site.to_json() for site in sites] for sites in manager.helion_sites]}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(state))
         except OSError as e:
             log.warning("helion_inductor: cannot save the report to %s: %s", path, e)
-        return state
+        return {**state, "graphs": list(zip(manager.reports, manager.helion_sites))}
     try:
         state = json.loads(path.read_text())
         served = [reports.GraphReport.from_json(entry) for entry in state["reports"]]
         state["dynamic_sites"] = [(str(expr), int(limit)) for expr, limit in state["dynamic_sites"]]
+        # Saved before compile-time autotuning existed: no sites, nothing to tune.
+        saved_sites = state.get("helion_sites") or [[] for _ in served]
+        state["graphs"] = list(zip(served, [[ManifestSite.from_json(s) for s in sites] for sites in saved_sites]))
     except OSError:
         return None
     except (ValueError, KeyError, TypeError) as e:

@@ -12,6 +12,11 @@ DEBUG_DIR_ENV = "HELION_INDUCTOR_DEBUG_DIR"
 CACHE_DIR_ENV = "HELION_INDUCTOR_CACHE_DIR"
 CODE_CACHE_ENV = "HELION_INDUCTOR_CODE_CACHE"
 
+# Autotuning defaults, shared by ``python -m helion_backend tune`` and the option ``autotune_missing``.
+TUNE_EFFORTS = ("quick", "full")  # Helion's autotune_effort presets that search ("none" does not)
+DEFAULT_TUNE_EFFORT = "quick"
+DEFAULT_TUNE_BUDGET_S = 300  # seconds of autotuning per key
+
 
 def _default_cache_dir() -> str:
     return os.environ.get(CACHE_DIR_ENV) or str(Path.home() / ".cache" / "helion_inductor")
@@ -62,6 +67,15 @@ class BackendOptions:
     launched after it (:mod:`helion_backend.code_cache`)."""
     inductor_config: Mapping[str, Any] = field(default_factory=dict)
     """Extra ``torch._inductor.config`` patches, applied after the ``mode``'s."""
+    autotune_missing: bool = False
+    """Autotune, on CUDA, the Helion keys (kernel family, dtype, K, N, M) a compiled graph needs and no config
+    table holds exactly, as ``python -m helion_backend tune`` would, into the user table in ``cache_dir``;
+    before the graph's first run, never while a CUDA graph is being captured. Off by default: a key takes
+    up to ``autotune_budget_s`` seconds, and a compile should not silently take minutes."""
+    autotune_effort: str = DEFAULT_TUNE_EFFORT
+    """Helion's autotuning effort for ``autotune_missing`` (one of :data:`TUNE_EFFORTS`)."""
+    autotune_budget_s: int = DEFAULT_TUNE_BUDGET_S
+    """Seconds of autotuning per key for ``autotune_missing`` (validation and timing add a little)."""
 
     @classmethod
     def from_user(cls, options: Mapping[str, Any] | None) -> BackendOptions:
@@ -92,6 +106,9 @@ class BackendOptions:
             "max_helion_size": int,
             "rmsnorm_prologue_max_m": int,
             "decode_attention_max_rows": int,
+            "autotune_missing": bool,
+            "autotune_effort": str,
+            "autotune_budget_s": int,
         }
         for name, typ in expected.items():
             value = getattr(self, name)
@@ -100,6 +117,11 @@ class BackendOptions:
         for name in ("max_helion_size", "decode_attention_max_rows"):
             if getattr(self, name) < 0:
                 raise ValueError(f"helion_inductor: option {name!r} must be >= 0")
+        if self.autotune_effort not in TUNE_EFFORTS:
+            raise ValueError(f"helion_inductor: option 'autotune_effort' must be one of {list(TUNE_EFFORTS)}, "
+                             f"got {self.autotune_effort!r}")
+        if self.autotune_budget_s < 1:
+            raise ValueError("helion_inductor: option 'autotune_budget_s' must be >= 1")
         if self.cudagraphs not in (None, True, False):
             raise TypeError(f"helion_inductor: option 'cudagraphs' must be a bool, got {self.cudagraphs!r}")
 
@@ -120,10 +142,11 @@ class BackendOptions:
         return str(Path(self.cache_dir) / "kernels") if self.code_cache else None
 
     def fingerprint(self) -> dict[str, Any]:
-        """What of the options changes the rewrite (the folders and the code cache do not)."""
+        """What of the options changes the rewrite (the folders, the code cache and compile-time autotuning do
+        not: a graph served from the caches is tuned from the sites saved with it)."""
         values = dataclasses.asdict(self)
-        values.pop("debug_dir")
-        values.pop("cache_dir")
-        values.pop("code_cache")
+        for name in ("debug_dir", "cache_dir", "code_cache", "autotune_missing", "autotune_effort",
+                     "autotune_budget_s"):
+            values.pop(name)
         values["inductor_config"] = sorted((k, repr(v)) for k, v in self.inductor_config.items())
         return values

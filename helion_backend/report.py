@@ -72,6 +72,8 @@ class GraphReport:
     sites: list[SiteReport] = field(default_factory=list)
     unfused_gemms: list[UnfusedGemm] = field(default_factory=list)
     attention: list[AttentionReport] = field(default_factory=list)
+    # Keys of this graph's Helion sites autotuned before its first run (option autotune_missing), and how.
+    autotuned: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,6 +88,7 @@ class GraphReport:
             sites=[SiteReport(**s) for s in data.get("sites", [])],
             unfused_gemms=[UnfusedGemm(**u) for u in data.get("unfused_gemms", [])],
             attention=[AttentionReport(**a) for a in data.get("attention", [])],
+            autotuned=list(data.get("autotuned", [])),
         )
 
     def summary(self) -> str:
@@ -104,6 +107,7 @@ class GraphReport:
         for a in self.attention:
             lines.append(a.summary())
             lines.extend(f"      fallback: {event}" for event in a.fallbacks)
+        lines.extend(f"  autotuned at compile time: {key}" for key in self.autotuned)
         return "\n".join(lines)
 
 
@@ -150,6 +154,11 @@ def write_dump(directory: Path, report: GraphReport, before: str, after: str) ->
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "before.py").write_text(before)
     (directory / "after.py").write_text(after)
+    write_report(directory, report)
+
+
+def write_report(directory: Path, report: GraphReport) -> None:
+    """``summary.txt`` and ``report.json`` alone: rewritten when autotuning adds to a dumped report."""
     (directory / "summary.txt").write_text(report.summary() + "\n")
     (directory / "report.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
 

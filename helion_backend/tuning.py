@@ -24,6 +24,9 @@ Keys already in the table are skipped unless ``--force``, so an interrupted run 
 stopped. Like the shipped table, the table is keyed by shape, not by prologue or epilogue: where sites of
 one shape differ, the one with the fused RMSNorm, then the longest epilogue, is tuned.
 
+The option ``autotune_missing`` runs the same loop for one compiled graph (:func:`tune_missing`): the keys of
+its Helion sites that no table holds exactly, into the user table, before the graph first runs.
+
 The tuner, the timer and the problem are parameters of :func:`tune_key`, and the per-key work is a
 parameter of :func:`tune_all`, so the loop and the selection are tested without a GPU.
 """
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import io
 import json
 import logging
 import os
@@ -51,16 +55,17 @@ from torch.utils._pytree import tree_leaves
 from .jsonfile import write_json_atomic
 from .kernels import configs
 from .manifest import ManifestError, ManifestSite, read_manifest
-from .options import BackendOptions
+from .options import DEFAULT_TUNE_BUDGET_S, DEFAULT_TUNE_EFFORT, TUNE_EFFORTS, BackendOptions
 from .timing import Step, TimingConfig, relative_error, run_metadata, time_callable_us
 from .tuning_problems import TOLERANCE, Output, Problem, Search, TuneError, TuneKey, build_problem
 from .vocabulary import DEFAULT_KERNEL_FAMILY
 
 log = logging.getLogger(__name__)
 
-EFFORTS = ("quick", "full")  # Helion's autotune_effort presets that search ("none" does not)
+EFFORTS = TUNE_EFFORTS  # the defaults live with the options, which share them
+DEFAULT_EFFORT = DEFAULT_TUNE_EFFORT
+DEFAULT_BUDGET_S = DEFAULT_TUNE_BUDGET_S
 DEFAULT_NUM_TOKENS = (1, 2, 4, 8, 16, 24, 32)
-DEFAULT_BUDGET_S = 300
 # The sweep of the shipped table times with it too, so that user and shipped entries compare.
 TIMING = TimingConfig(warmup_calls=2, calls_per_graph=20, warmup_replays=3, replays=15)
 
@@ -353,6 +358,72 @@ def tune_all(
 
 
 # ---------------------------------------------------------------------------------------------------
+# At compile time (option autotune_missing)
+
+COMPILE_COMMAND = "torch.compile(backend='helion_inductor', options={'autotune_missing': True})"
+
+
+def missing_keys(sites: Sequence[ManifestSite], device: torch.device, config_dir: str) -> list[TuneKey]:
+    """The keys of ``sites`` (dynamic M: :data:`DEFAULT_NUM_TOKENS` up to the limit) that neither the shipped
+    nor the user table of ``device`` holds exactly; a neighbouring M's entry does not count."""
+    return [key for key in expand_keys(sites, DEFAULT_NUM_TOKENS)
+            if not configs.has_entry(*key.table_key, device, config_dir or None)]
+
+
+class _LogLines(io.TextIOBase):
+    """A text stream that logs each line written to it at INFO: :func:`tune_all`'s progress, in the compile's log."""
+
+    def write(self, text: str) -> int:
+        for line in text.splitlines():
+            if line.strip():
+                log.info("helion_inductor autotune_missing: %s", line)
+        return len(text)
+
+
+def tune_missing(sites: Sequence[ManifestSite], options: BackendOptions, device: torch.device) -> dict[TableKey, str]:
+    """Autotune the :func:`missing_keys` of a compile's ``sites`` into the user table of ``device``, as the
+    command does (resumable: each entry is written when done), and make this process's config lookups see
+    them. Returns what became of each key, by table key. Never raises: a key that fails costs a warning and
+    its sites keep the config they had; a table that cannot be written, one warning."""
+    keys = missing_keys(sites, device, options.config_dir)
+    if not keys:
+        return {}
+    outcomes: dict[TableKey, str] = {}
+
+    def tune_one(key: TuneKey) -> dict[str, Any]:
+        start = time.monotonic()
+        try:
+            entry = tune_key(key, device, effort=options.autotune_effort, budget_s=options.autotune_budget_s)
+        except Exception as e:
+            outcomes[key.table_key] = f"{key}: failed ({type(e).__name__}: {e}); keeps its config"
+            log.warning("helion_inductor: autotune_missing: %s", outcomes[key.table_key])
+            raise
+        outcomes[key.table_key] = (f"{key}: tuned in {format_duration(time.monotonic() - start)}, {entry['us']} us "
+                                   f"(torch.compile {entry['fallback_us']} us)")
+        return entry
+
+    start = time.monotonic()
+    log.info("helion_inductor: autotuning %d key(s) no config table holds (effort %s, %ds per key)",
+             len(keys), options.autotune_effort, options.autotune_budget_s)
+    try:
+        path = _writable_table(Path(options.config_dir) / f"{configs.gpu_key(device)}.json")
+        table = ConfigTable.load(path, COMPILE_COMMAND)
+        summary = tune_all(keys, table, tune_one, functools.partial(table_metadata, device),
+                           budget_s=options.autotune_budget_s, progress=_LogLines())
+    except Exception as e:  # the table, not a key: nothing more can be saved, and the compile must not fail
+        log.warning("helion_inductor: autotune_missing stopped (%s: %s); the sites keep their configs",
+                    type(e).__name__, e)
+        for key in keys:
+            outcomes.setdefault(key.table_key, f"{key}: not tuned ({type(e).__name__}: {e})")
+        return outcomes
+    finally:  # whatever was written (an interrupt keeps the keys done) is seen from now on
+        configs.forget_tables()
+    log.info("helion_inductor: autotuned %d key(s) in %s (%d failed) -> %s", summary.tuned,
+             format_duration(time.monotonic() - start), len(summary.failed), path)
+    return outcomes
+
+
+# ---------------------------------------------------------------------------------------------------
 # Command line
 
 DESCRIPTION = """\
@@ -397,8 +468,8 @@ def _positive_int(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("manifest", type=Path, help="the manifest compiles wrote (<cache_dir>/manifest.json)")
-    parser.add_argument("--effort", choices=EFFORTS, default="quick",
-                        help="Helion's autotuning effort preset (default: quick)")
+    parser.add_argument("--effort", choices=EFFORTS, default=DEFAULT_EFFORT,
+                        help=f"Helion's autotuning effort preset (default: {DEFAULT_EFFORT})")
     parser.add_argument("--num-tokens", type=parse_num_tokens, default=DEFAULT_NUM_TOKENS, metavar="M,M,...",
                         help="token counts to tune for sites compiled with a dynamic M, capped at each "
                              f"site's Helion limit (default: {','.join(map(str, DEFAULT_NUM_TOKENS))})")

@@ -147,6 +147,19 @@ def _table(gpu: str, user_dir: str | None = None) -> dict[TableKey, list[TunedEn
     return {key: sorted(by_m.values(), key=lambda e: e.m) for key, by_m in merged.items()}
 
 
+def has_entry(kernel: str, dtype: str, k: int, n: int, m: int, device: torch.device, user_dir: str | None) -> bool:
+    """Whether the shipped or user table of ``device`` holds this exact key: :func:`config_for` falls back to
+    the nearest tuned M, which compile-time autotuning (option ``autotune_missing``) must not count."""
+    return any(entry.m == m for entry in _table(gpu_key(device), user_dir).get((kernel, dtype, k, n), []))
+
+
+def forget_tables() -> None:
+    """Drop the memoized tables and lookups, so that entries written in this process take effect at once
+    (the fused op looks its config up on every call)."""
+    for memo in (_table, config_for, measured_crossover):
+        memo.cache_clear()
+
+
 def _entries(
     k: int, n: int, dtype: torch.dtype, device: torch.device, user_dir: str | None, kernel: str
 ) -> list[TunedEntry]:
@@ -163,7 +176,7 @@ def config_for(
     """The tuned config of the ``kernel`` family for the smallest tuned M >= m at this (K, N), else the
     largest tuned M, else :func:`default_config`. ``user_dir`` holds user-tuned tables that override the
     shipped ones. Memoized: the hot path pays one dict lookup (a table written later is read by the
-    next process)."""
+    next process, or after :func:`forget_tables`)."""
     entries = _entries(k, n, dtype, device, user_dir, kernel)
     if not entries:
         return default_config(m, k, n, dtype, kernel)

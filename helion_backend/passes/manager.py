@@ -70,6 +70,7 @@ class HelionPassManager(CustomGraphPass):
         ).hexdigest()
         self.graph_kind = "unknown"
         self.reports: list[GraphReport] = []  # of the compile under way
+        self.helion_sites: list[list[ManifestSite]] = []  # of each report's graph: what autotune_missing tunes
         # (M expression, Helion limit) of rewritten sites whose token count is symbolic (for the router).
         self.dynamic_sites: list[tuple[sympy.Expr, int]] = []
 
@@ -93,13 +94,15 @@ class HelionPassManager(CustomGraphPass):
         for stage in TRANSFORMS:
             stage.run(ctx)
         _fill_report(ctx)
-        record_sites(Path(self.options.manifest_path), _helion_sites(ctx))
+        helion_sites = _helion_sites(ctx)
+        record_sites(Path(self.options.manifest_path), helion_sites)
         self.dynamic_sites.extend(
             (site.m.node.expr, site.helion_limit)
             for site in ctx.sites
             if site.fused is not None and site.static_m is None
         )
         self.reports.append(report)
+        self.helion_sites.append(helion_sites)
         record(report)
         after = _readable(graph) if dump_dirs else ""
         for directory in dump_dirs:
