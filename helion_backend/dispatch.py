@@ -25,6 +25,7 @@ from .norm import RmsNormSpec, parse_spec, rms_norm
 from .quant_program import QuantProgram, parse_program, quantize_rows
 from .vocabulary import (
     DEFAULT_KERNEL_FAMILY,
+    MULTI_GEMM_FAMILY,
     FP8_BLOCK,
     INT4_HIGH_SHIFT,
     INT4_LOW_MASK,
@@ -98,25 +99,31 @@ def run_gemm_epilogue(
     site: str = "",
     norm_weight: torch.Tensor | None = None,
     norm_spec: str = "",
+    up_epilogue: str = "",
 ) -> torch.Tensor:
     # The step names are validated here; what they do is in the program, the dtypes and ``weight_scale``.
     prologue_steps = parse_prologue(prologue)
     program = parse_program(quant_program) if quant_program else None
     norm = _norm(prologue_steps, norm_weight, norm_spec)
-    steps = parse_epilogue(epilogue)
+    steps, up_steps = parse_epilogue(epilogue), parse_epilogue(up_epilogue)
+    if up_steps and up_weight is None:
+        raise ValueError(f"up_epilogue {up_epilogue!r} without an up_weight")
     _check_weight_dequant(prologue_steps, weight_layout, weight_scale, program)
     w_kn = weight_kn(weight, weight_layout)
     up_kn = weight_kn(up_weight, up_layout) if up_weight is not None else None
-    flat = flatten_operands(operands, steps, w_kn.shape[1])
+    n = w_kn.shape[1]
+    # The epilogue's operands, then the up projection's own (its scales on quantized rows).
+    (ops, scs), (up_ops, up_scs) = split_per_output((steps, up_steps), operands, scalars)
+    flat = [*flatten_operands(ops, steps, n), *flatten_operands(up_ops, up_steps, n)]
     if _runs_helion(x, max_helion_m, site):
         from .kernels import run_kernel
 
         fused = _try_helion(site, x.shape[0], lambda: run_kernel(
             kernel, x, w_kn, steps, flat, scalars, out_dtype, config_dir or None, program, up_kn,
-            weight_scale=weight_scale, norm=norm))
+            weight_scale=weight_scale, norm=norm, up_steps=up_steps))
         if fused is not None:
             return fused
-    return unfused(x, w_kn, steps, flat, scalars, out_dtype, program, up_kn, weight_scale, norm)
+    return unfused(x, w_kn, steps, flat, scalars, out_dtype, program, up_kn, weight_scale, norm, up_steps)
 
 
 def run_multi_gemm_epilogue(
@@ -132,6 +139,7 @@ def run_multi_gemm_epilogue(
     site: str = "",
     norm_weight: torch.Tensor | None = None,
     norm_spec: str = "",
+    kernel: str = MULTI_GEMM_FAMILY,
 ) -> list[torch.Tensor]:
     """The ``multi_gemm_epilogue`` op: one Helion launch for every output, or the reference of each."""
     steps = parse_epilogues(epilogues)
@@ -148,7 +156,8 @@ def run_multi_gemm_epilogue(
         from .kernels import multi_gemm_helion
 
         fused = _try_helion(site, x.shape[0], lambda: multi_gemm_helion(
-            x, w_kns, steps, flat, scalars, out_dtype, config_dir=config_dir or None, norm=norm))
+            x, w_kns, steps, flat, scalars, out_dtype, config_dir=config_dir or None, norm=norm,
+            kernel_family=kernel))
         if fused is not None:
             return fused
     return unfused_multi(x, w_kns, steps, flat, scalars, out_dtype, norm)
@@ -256,6 +265,7 @@ def unfused(
     up_kn: torch.Tensor | None = None,
     weight_scale: torch.Tensor | None = None,
     norm: tuple[torch.Tensor, RmsNormSpec] | None = None,
+    up_steps: Sequence[str] = (),
 ) -> torch.Tensor:
     """What the fused op computes without Helion, from the arguments :func:`~.kernels.run_kernel` takes: a
     scaled weight dequantized as the graph does (packed uint8 int4 with group scales, or block fp8 with its
@@ -267,7 +277,7 @@ def unfused(
         program = None
     if norm is not None:
         x = rms_norm(x, *norm)
-    return reference(x, w_kn, steps, operands, scalars, out_dtype, program, up_kn)
+    return reference(x, w_kn, steps, operands, scalars, out_dtype, program, up_kn, up_steps)
 
 
 def unfused_multi(
@@ -296,12 +306,15 @@ def reference(
     out_dtype: torch.dtype,
     program: QuantProgram | None = None,
     up_kn: torch.Tensor | None = None,
+    up_steps: Sequence[str] = (),
 ) -> torch.Tensor:
     """The unfused computation: the activation quantized as ``program`` says (if given), the GEMM (and a
-    gated MLP's up projection ``up_kn``) as the graph ran it, the epilogue in fp32."""
+    gated MLP's up projection ``up_kn``, rescaled by its own ``up_steps``, which read the operands and
+    scalars after the epilogue's) as the graph ran it, the epilogue in fp32."""
     if program is None:
-        up = gemm_product(x, up_kn) if up_kn is not None else None
-        return apply_epilogue(gemm_product(x, w_kn), steps, operands.__getitem__, scalars, up).to(out_dtype)
+        (ops, scs), (up_ops, up_scs) = split_per_output((steps, up_steps), operands, scalars)
+        up = None if up_kn is None else apply_epilogue(gemm_product(x, up_kn), up_steps, up_ops.__getitem__, up_scs)
+        return apply_epilogue(gemm_product(x, w_kn), steps, ops.__getitem__, scs, up).to(out_dtype)
     quantized, scale = quantize_rows(program, x)
     acc = gemm_product(quantized, w_kn) * scale.to(torch.float32)
     return apply_epilogue(acc, steps, operands.__getitem__, scalars).to(out_dtype)

@@ -39,14 +39,14 @@ from .jsonfile import write_json_atomic
 from .vocabulary import (
     EPILOGUE_STEPS,
     KERNEL_FAMILIES,
-    MULTI_GEMM_FAMILY,
+    MULTI_GEMM_FAMILIES,
     MULTI_GEMM_SLOTS,
     PROLOGUE_STEPS,
     RULE_DTYPES,
 )
 
 # The families a compile may send sites to: the rules' and the shared launch of sites of one activation.
-MANIFEST_KERNELS = (*KERNEL_FAMILIES, MULTI_GEMM_FAMILY)
+MANIFEST_KERNELS = (*KERNEL_FAMILIES, *MULTI_GEMM_FAMILIES.values())
 
 log = logging.getLogger(__name__)
 
@@ -145,8 +145,9 @@ def _widths(value: object, kernel: str, n: int) -> tuple[int, ...]:
     if not isinstance(value, list):
         raise ValueError(f"'widths' must be a list of output widths, got {value!r}")
     widths = tuple(_positive_int("widths", w) for w in value)
-    if widths and kernel != MULTI_GEMM_FAMILY:
-        raise ValueError(f"'widths' belong to {MULTI_GEMM_FAMILY} sites only, got {list(widths)} for {kernel}")
+    if widths and kernel not in MULTI_GEMM_FAMILIES.values():
+        raise ValueError(f"'widths' belong to the shared launches' sites ({', '.join(MULTI_GEMM_FAMILIES.values())}) "
+                         f"only, got {list(widths)} for {kernel}")
     if widths and not (2 <= len(widths) <= MULTI_GEMM_SLOTS and sum(widths) == n):
         raise ValueError(f"'widths' must be 2 to {MULTI_GEMM_SLOTS} output widths summing to n={n}, "
                          f"got {list(widths)}")

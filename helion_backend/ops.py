@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import dispatch
+from .vocabulary import MULTI_GEMM_FAMILY
 
 OP_NAMESPACE = "helion_inductor"
 
@@ -37,6 +38,7 @@ def gemm_epilogue(
     site: str,
     norm_weight: torch.Tensor | None = None,
     norm_spec: str = "",
+    up_epilogue: str = "",
 ) -> torch.Tensor:
     """``epilogue(prologue(x) @ prologue(weight))`` stored once in ``out_dtype``; x is [M, K], the result [M, N].
 
@@ -45,7 +47,9 @@ def gemm_epilogue(
     [N, K/G] group scales, with ``weight`` the packed uint8 [N, K/2] bytes; ``dequant_fp8_block``: the
     fp32 [N/128, K/128] block scales of the fp8 [N, K] ``weight``); None elsewhere.
     ``up_weight`` (layout ``up_layout``) is a gated MLP's up projection of the same x, which the
-    epilogue's ``up_mul`` step multiplies in; None elsewhere.
+    epilogue's ``up_mul`` step multiplies in, after its own steps ``up_epilogue`` (comma-joined, reading
+    ``operands`` and ``scalars`` after the epilogue's: an fp8/int8 up projection's token and channel
+    scales; "" for none); None elsewhere.
     ``prologue`` is a comma-joined list of prologue steps (see :mod:`.vocabulary`); an activation
     quantization carries its ops as ``quant_program`` (JSON, see :mod:`.quant_program`), else "".
     ``epilogue`` is a comma-joined step list (see :mod:`.epilogue`) reading ``operands`` and
@@ -57,13 +61,13 @@ def gemm_epilogue(
     """
     return dispatch.run_gemm_epilogue(
         x, weight, weight_layout, weight_scale, up_weight, up_layout, prologue, quant_program, operands, scalars,
-        epilogue, out_dtype, kernel, max_helion_m, config_dir, site, norm_weight, norm_spec,
+        epilogue, out_dtype, kernel, max_helion_m, config_dir, site, norm_weight, norm_spec, up_epilogue,
     )
 
 
 @gemm_epilogue.register_fake
 def _(x, weight, weight_layout, weight_scale, up_weight, up_layout, prologue, quant_program, operands, scalars,
-      epilogue, out_dtype, kernel, max_helion_m, config_dir, site, norm_weight=None, norm_spec=""):
+      epilogue, out_dtype, kernel, max_helion_m, config_dir, site, norm_weight=None, norm_spec="", up_epilogue=""):
     n = weight.shape[0] if weight_layout == "nk" else weight.shape[1]
     return x.new_empty((x.shape[0], n), dtype=out_dtype)
 
@@ -82,24 +86,27 @@ def multi_gemm_epilogue(
     site: str,
     norm_weight: torch.Tensor | None = None,
     norm_spec: str = "",
+    kernel: str = MULTI_GEMM_FAMILY,
 ) -> list[torch.Tensor]:
     """``[epilogue_i(x @ weights[i])]``: GEMMs of one activation (a decoder's q, k and v), one launch.
 
     ``weight_layouts`` holds each weight's layout ("kn" or "nk"), comma-joined; ``epilogues`` each
     output's epilogue steps, joined by :data:`~helion_backend.epilogue.OUTPUT_SEPARATOR`; ``operands``
     and ``scalars`` every output's in turn. With ``norm_weight`` and ``norm_spec`` (as in
-    :func:`gemm_epilogue`) x is an RMSNorm's input and every GEMM multiplies the normalized rows. The
-    other arguments are :func:`gemm_epilogue`'s.
+    :func:`gemm_epilogue`) x is an RMSNorm's input and every GEMM multiplies the normalized rows.
+    ``kernel`` is the shared launch's family (``gemm_multi``; ``gemm_multi_fp8`` and ``gemm_multi_int8``
+    multiply quantized rows, each output rescaled by its epilogue). The other arguments are
+    :func:`gemm_epilogue`'s.
     """
     return dispatch.run_multi_gemm_epilogue(
         x, weights, weight_layouts, operands, scalars, epilogues, out_dtype, max_helion_m, config_dir, site,
-        norm_weight, norm_spec,
+        norm_weight, norm_spec, kernel,
     )
 
 
 @multi_gemm_epilogue.register_fake
 def _(x, weights, weight_layouts, operands, scalars, epilogues, out_dtype, max_helion_m, config_dir, site,
-      norm_weight=None, norm_spec=""):
+      norm_weight=None, norm_spec="", kernel=MULTI_GEMM_FAMILY):
     widths = [w.shape[0] if layout == "nk" else w.shape[1] for w, layout in zip(weights, weight_layouts.split(","))]
     return [x.new_empty((x.shape[0], n), dtype=out_dtype) for n in widths]
 

@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .patterns import RESHAPES, same_shape, val
+from .patterns import RESHAPES, activation_identity, same_shape, val
 from .quant_program import CONVERT, REDUCE, Instruction, QuantProgram, Value, check_program, ref
 from .vocabulary import (
     INT4_HIGH_SHIFT,
@@ -81,6 +81,17 @@ def activation_quant(quantized: fx.Node, scale: fx.Node, rank: int = 2) -> Activ
     if program is None:
         return None
     return ActivationQuant(x, program, tuple(nodes))
+
+
+def quantized_rows(quantized: fx.Node, scale: fx.Node) -> tuple:
+    """Which rows a GEMM on quantized rows multiplies, and under which token scale: the same for every
+    per-token quantization of one activation by the same ops (each quantized linear quantizes its input
+    itself, and the post-grad graph keeps each copy, so q, k and v read three equal quantizations), else
+    the quantized node itself and its scale. Equal keys mean equal rows and scales."""
+    found = activation_quant(quantized, scale)
+    if found is None:
+        return ("nodes", *activation_identity(quantized), scale)
+    return ("program", *activation_identity(found.x), found.program.to_json())
 
 
 def activation_quant_problem(quantized: fx.Node, scale: fx.Node) -> str:

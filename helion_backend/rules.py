@@ -262,9 +262,11 @@ def _parse_rule(table: dict[str, Any], index: int, locate: _Locator) -> Rule:
         raise fail("prologue", f"kernel family {kernel!r} runs prologue steps {list(family.prologue) or 'none'}, "
                                f"not {wrong_steps}")
     epilogue = _patterns(table, "epilogue", EPILOGUE_STEPS, fail)
-    foreign = sorted(c for p in epilogue for c in p.choices if EPILOGUE_STEPS[c].only_in not in (None, kernel))
+    foreign = sorted(c for p in epilogue for c in p.choices if EPILOGUE_STEPS[c].only_in
+                     and kernel not in EPILOGUE_STEPS[c].only_in)
     if foreign:
-        raise fail("epilogue", f"step {foreign[0]!r} needs kernel = {EPILOGUE_STEPS[foreign[0]].only_in!r}")
+        families = ", ".join(EPILOGUE_STEPS[foreign[0]].only_in)
+        raise fail("epilogue", f"step {foreign[0]!r} needs a kernel of {families}")
     for needed in family.needs_steps:
         if not any(p.choices == {needed} and not (p.optional or p.repeat) for p in epilogue):
             raise fail("epilogue", f"kernel family {kernel!r} needs a required {needed!r} step in the epilogue")

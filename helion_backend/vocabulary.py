@@ -27,8 +27,12 @@ class Operand(enum.Enum):
     FULL = "full"  # a tensor with the output's shape [M, N] (residual, mul)
 
 
-# The gated MLP family: gate and up projections of one activation in one kernel, storing silu(gate) * up.
+# The gated MLP families: gate and up projections of one activation in one kernel, storing silu(gate) * up;
+# in 16 bits, and on quantized rows (each projection rescaled by its own token and channel scales first).
 GLU_FAMILY = "gemm_glu"
+GLU_FP8_FAMILY = "gemm_glu_fp8"
+GLU_INT8_FAMILY = "gemm_glu_int8"
+GLU_FAMILIES = (GLU_FAMILY, GLU_FP8_FAMILY, GLU_INT8_FAMILY)
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,7 @@ class StepKind:
     operand: Operand
     doc: str
     multiplies: bool = False  # a tensor operand multiplies the value (else it is added)
-    only_in: str | None = None  # the one kernel family that can run this step, if not all of them
+    only_in: tuple[str, ...] = ()  # the kernel families that can run this step, if not all of them
 
 
 # Unary activations. Their fp32 formulas live in :mod:`helion_backend.epilogue`; the matcher
@@ -57,7 +61,7 @@ EPILOGUE_STEPS: dict[str, StepKind] = {
         StepKind("act_scale", Operand.NONE, "multiply each row by the scale the fused activation "
                  "quantization computed (a token_scale whose operand the prologue produces)", True),
         StepKind("up_mul", Operand.NONE, "multiply by a second GEMM of the same activation (a gated MLP's "
-                 "up projection), computed in the same kernel", True, only_in=GLU_FAMILY),
+                 "up projection), computed in the same kernel", True, only_in=GLU_FAMILIES),
         *(StepKind(name, Operand.NONE, f"apply {name}") for name in ACTIVATIONS),
         StepKind("cast", Operand.NONE, "change the output dtype (the epilogue itself runs in fp32)"),
     )
@@ -159,13 +163,29 @@ KERNEL_FAMILIES: dict[str, KernelFamily] = {
         KernelFamily(FP8_BLOCK_FAMILY, tuple(SUPPORTED_DTYPES), ("quant_fp8_per_group", "dequant_fp8_block"),
                      needs_prologue=True),
         KernelFamily(GLU_FAMILY, tuple(SUPPORTED_DTYPES), (RMSNORM,), needs_steps=("up_mul",)),
+        # On rows quantized before the GEMM (Inductor's per-token quantization, the default): no prologue.
+        KernelFamily(GLU_FP8_FAMILY, ("float8_e4m3fn",), needs_steps=("up_mul",)),
+        KernelFamily(GLU_INT8_FAMILY, ("int8",), needs_steps=("up_mul",)),
     )
 }
 DEFAULT_KERNEL_FAMILY = "gemm"
-# Not a rule's family: the one launch that runs several GEMMs of one activation, each a site of the
-# default family (passes/shared_input.py groups them); its configs are keyed by the sum of their N.
+# Not a rule's family: the one launch that runs several GEMMs of one activation (passes/shared_input.py
+# groups them), by the family of the sites it takes; its configs are keyed by the sum of their N.
 MULTI_GEMM_FAMILY = "gemm_multi"
+MULTI_GEMM_FAMILIES: dict[str, str] = {
+    DEFAULT_KERNEL_FAMILY: MULTI_GEMM_FAMILY,
+    "gemm_fp8": "gemm_multi_fp8",  # q, k and v on the same quantized rows (and token scale)
+    "gemm_int8": "gemm_multi_int8",
+}
 MULTI_GEMM_SLOTS = 3  # sites one such launch runs (a decoder's q, k and v)
+# The single-GEMM family whose kernel each fused family's sites would run alone: a quantized fused family
+# without config table entries for a shape takes that family's (then its defaults) at the same (K, N).
+MEMBER_FAMILY: dict[str, str] = {
+    **{multi: member for member, multi in MULTI_GEMM_FAMILIES.items()},
+    GLU_FAMILY: DEFAULT_KERNEL_FAMILY, GLU_FP8_FAMILY: "gemm_fp8", GLU_INT8_FAMILY: "gemm_int8",
+}
+CONFIG_FALLBACK: dict[str, str] = {family: MEMBER_FAMILY[family]
+                                   for family in ("gemm_multi_fp8", "gemm_multi_int8", GLU_FP8_FAMILY, GLU_INT8_FAMILY)}
 
 # Decode attention (passes/attention.py, kernels/attention.py): the aten forms ``scaled_dot_product_attention``
 # takes in a post-grad graph, by the name of their mask argument (None: the form takes no mask).

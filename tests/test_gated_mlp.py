@@ -100,7 +100,7 @@ def test_a_product_of_projections_of_different_inputs_is_not_gated():
 
 
 @pytest.mark.parametrize("body, message", [
-    ('anchor = ["mm"]\nepilogue = ["silu", "up_mul"]', "step 'up_mul' needs kernel = 'gemm_glu'"),
+    ('anchor = ["mm"]\nepilogue = ["silu", "up_mul"]', "step 'up_mul' needs a kernel of gemm_glu, gemm_glu_fp8, gemm_glu_int8"),
     ('anchor = ["mm"]\nkernel = "gemm_glu"\nepilogue = ["silu", "up_mul?"]',
      "kernel family 'gemm_glu' needs a required 'up_mul' step in the epilogue"),
 ])

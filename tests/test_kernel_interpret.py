@@ -41,7 +41,7 @@ pytestmark = pytest.mark.skipif(
 
 NEEDS_LIBDEVICE = {"gelu", "gelu_tanh"}
 # Steps every kernel family runs (``up_mul`` is the gated kernel's: test_gated_kernel_computes_both_projections).
-INTERPRETABLE_STEPS = [s for s, kind in EPILOGUE_STEPS.items() if s not in NEEDS_LIBDEVICE and kind.only_in is None]
+INTERPRETABLE_STEPS = [s for s, kind in EPILOGUE_STEPS.items() if s not in NEEDS_LIBDEVICE and not kind.only_in]
 # Small blocks keep the interpreter fast and make every test shape span several, partial, tiles.
 BLOCKS = [16, 32, 32]
 
@@ -309,7 +309,7 @@ def test_gated_kernel_computes_both_projections(dtype, layout):
 
 def test_a_step_of_another_kernel_family_is_refused():
     x, w_kn = torch.randn(4, 64), torch.randn(64, 32)
-    with pytest.raises(ValueError, match="'up_mul' runs only in the gemm_glu kernel, not in gemm"):
+    with pytest.raises(ValueError, match="'up_mul' runs only in the gemm_glu, gemm_glu_fp8, gemm_glu_int8 kernels, not in gemm"):
         gemm_epilogue_helion(x, w_kn, ("silu", "up_mul"), [], [], torch.float32)
 
 

@@ -137,7 +137,7 @@ def test_a_failed_write_keeps_the_old_manifest_and_leaves_no_temp_file(tmp_path,
         ('{"version": 1, "sites": [{"kernel": "gemm_multi", "epilogue": [], "dtype": "bfloat16", "k": 8, '
          '"n": 8, "widths": [4, 2], "m": [1]}]}', "site #0: 'widths' must be 2 to 3 output widths summing to n=8"),
         ('{"version": 1, "sites": [{"kernel": "gemm", "epilogue": [], "dtype": "bfloat16", "k": 8, '
-         '"n": 8, "widths": [4, 4], "m": [1]}]}', "site #0: 'widths' belong to gemm_multi sites only"),
+         '"n": 8, "widths": [4, 4], "m": [1]}]}', "site #0: 'widths' belong to the shared launches' sites"),
     ],
 )
 def test_read_errors_name_the_file_and_the_problem(tmp_path, text, message):

@@ -13,14 +13,14 @@ import torch  # noqa: E402
 
 from ..norm import RmsNormSpec
 from ..quant_program import QuantProgram
-from ..vocabulary import FP8_BLOCK_FAMILY, GLU_FAMILY, INT4_FAMILY, KERNEL_FAMILIES
+from ..vocabulary import FP8_BLOCK_FAMILY, GLU_FAMILIES, INT4_FAMILY, KERNEL_FAMILIES
 from .gemm import gemm_epilogue_helion, glu_gemm_helion
 from .multi_gemm import multi_gemm_helion
 from .quant_gemm import block_fp8_gemm_helion, int4_gemm_helion, quant_gemm_helion
 
 KERNELS: dict[str, Callable[..., torch.Tensor]] = {
     "gemm": gemm_epilogue_helion,
-    GLU_FAMILY: glu_gemm_helion,
+    **{family: functools.partial(glu_gemm_helion, kernel_family=family) for family in GLU_FAMILIES},
     INT4_FAMILY: int4_gemm_helion,
     FP8_BLOCK_FAMILY: block_fp8_gemm_helion,
     **{family: functools.partial(quant_gemm_helion, kernel_family=family)
@@ -43,10 +43,12 @@ def run_kernel(
     weight_scale: torch.Tensor | None = None,
     norm: tuple[torch.Tensor, RmsNormSpec] | None = None,
     config: helion.Config | None = None,
+    up_steps: tuple[str, ...] = (),
 ) -> torch.Tensor:
     """Run the ``kernel`` family's Helion implementation with ``config``, by default the config tables' pick
     for the shape (user-tuned ones in ``config_dir`` first); ``program`` is a fused activation quantization, ``up_kn``
-    a gated MLP's up projection, ``weight_scale`` the scales of a dequantized ``w_kn`` (packed int4's
+    a gated MLP's up projection (``up_steps``: its own rescaling on quantized rows, reading ``operands``
+    after the epilogue's), ``weight_scale`` the scales of a dequantized ``w_kn`` (packed int4's
     group scales, block fp8's block scales; block fp8 also has its activation's ``program``), ``norm``
     a fused RMSNorm's weight and spec (the ``gemm`` and ``gemm_glu`` families' prologue)."""
     if weight_scale is not None:
@@ -55,7 +57,7 @@ def run_kernel(
                                config=config, config_dir=config_dir)
     if up_kn is not None:
         return KERNELS[kernel](x, w_kn, up_kn, steps, operands, scalars, out_dtype, config=config,
-                               config_dir=config_dir, norm=norm)
+                               config_dir=config_dir, norm=norm, up_steps=up_steps)
     if norm is not None:
         return KERNELS[kernel](x, w_kn, steps, operands, scalars, out_dtype, config=config, config_dir=config_dir,
                                norm=norm)

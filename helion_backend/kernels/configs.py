@@ -19,7 +19,7 @@ from typing import NamedTuple
 import helion
 import torch
 
-from ..vocabulary import DEFAULT_KERNEL_FAMILY, INT4_FAMILY, dtype_name
+from ..vocabulary import CONFIG_FALLBACK, DEFAULT_KERNEL_FAMILY, INT4_FAMILY, dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -163,9 +163,15 @@ def forget_tables() -> None:
 def _entries(
     k: int, n: int, dtype: torch.dtype, device: torch.device, user_dir: str | None, kernel: str
 ) -> list[TunedEntry]:
+    """The family's entries at (K, N); for a fused quantized family without any, its member family's
+    (:data:`~helion_backend.vocabulary.CONFIG_FALLBACK`: the sites it fuses, run alone, at that shape)."""
     if device.type != "cuda":
         return []
-    return _table(gpu_key(device), user_dir).get((kernel, dtype_name(dtype), k, n), [])
+    table = _table(gpu_key(device), user_dir)
+    entries = table.get((kernel, dtype_name(dtype), k, n), [])
+    if not entries and kernel in CONFIG_FALLBACK:
+        entries = table.get((CONFIG_FALLBACK[kernel], dtype_name(dtype), k, n), [])
+    return entries
 
 
 @functools.cache
@@ -174,12 +180,13 @@ def config_for(
     kernel: str = DEFAULT_KERNEL_FAMILY,
 ) -> helion.Config:
     """The tuned config of the ``kernel`` family for the smallest tuned M >= m at this (K, N), else the
-    largest tuned M, else :func:`default_config`. ``user_dir`` holds user-tuned tables that override the
+    largest tuned M, else :func:`default_config` (a fused quantized family without entries: its member
+    family's, see :func:`_entries`). ``user_dir`` holds user-tuned tables that override the
     shipped ones. Memoized: the hot path pays one dict lookup (a table written later is read by the
     next process, or after :func:`forget_tables`)."""
     entries = _entries(k, n, dtype, device, user_dir, kernel)
     if not entries:
-        return default_config(m, k, n, dtype, kernel)
+        return default_config(m, k, n, dtype, CONFIG_FALLBACK.get(kernel, kernel))
     for entry in entries:
         if entry.m >= m:
             return entry.config

@@ -35,9 +35,17 @@ from .. import code_cache
 # epilogue runs with its real globals (and its float constants become literals in the kernel).
 from .. import epilogue as epilogue_module
 from .. import norm as norm_module
-from ..epilogue import num_scalars, operand_kinds
+from ..epilogue import num_scalars, operand_kinds, split_per_output
 from ..norm import RmsNormSpec
-from ..vocabulary import DEFAULT_KERNEL_FAMILY, EPILOGUE_STEPS, GLU_FAMILY, Operand
+from ..vocabulary import (
+    DEFAULT_KERNEL_FAMILY,
+    EPILOGUE_STEPS,
+    GLU_FAMILY,
+    KERNEL_FAMILIES,
+    MEMBER_FAMILY,
+    RULE_DTYPES,
+    Operand,
+)
 from .configs import EPILOGUE_CONFIG, config_for
 
 SUPPORTED_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -119,7 +127,8 @@ def rmsnorm_gemm_kernel(
         out[tile_split.id, tile_m, tile_n] = acc.to(out.dtype)
 
 
-@helion.kernel(static_shapes=True, autotune_effort="none", dot_precision="ieee")
+# One source, two kernels (as multi_gemm_kernel): float inputs with exact fp32 dots, and fp8/int8 inputs
+# (``lowp_glu_gemm_kernel``, below) with Triton's default.
 def glu_gemm_kernel(
     x: torch.Tensor,
     norm_weight: torch.Tensor | None,
@@ -130,18 +139,22 @@ def glu_gemm_kernel(
     operands: list[torch.Tensor],
     scalars: list[float],
     epilogue: TileEpilogue,
+    up_epilogue: TileEpilogue,
 ) -> None:
-    """``out = epilogue(x @ w, up=x @ w_up)``: a gated MLP's gate and up projections in one pass over x,
-    both accumulators in registers, only the epilogue's result stored (no split-K: two workspaces would
-    cost what the fusion saves). With ``norm_weight`` x's rows are RMS-normalized as in
+    """``out = epilogue(x @ w, up=up_epilogue(x @ w_up))``: a gated MLP's gate and up projections in one
+    pass over x, both accumulators in registers, only the epilogue's result stored (no split-K: two
+    workspaces would cost what the fusion saves). With ``norm_weight`` x's rows are RMS-normalized as in
     :func:`rmsnorm_gemm_kernel`; Helion specializes a None argument, so without it the norm's ops vanish
-    at compile time. The block sizes are registered in ``gemm_kernel``'s order, [M, N, K]."""
+    at compile time. Quantized x and weights (fp8, int8) accumulate in fp32 or int32, and ``up_epilogue``
+    rescales the up projection by its own scales (float inputs: no steps). The block sizes are registered
+    in ``gemm_kernel``'s order, [M, N, K]."""
     m, k = x.size()
     n = w.size(1)
+    acc_dtype = torch.int32 if x.dtype == torch.int8 else torch.float32
     block_m, block_n, block_k = hl.register_block_size(m), hl.register_block_size(n), hl.register_block_size(k)
     for tile_m, tile_n in hl.tile([m, n], block_size=[block_m, block_n]):
-        acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
-        acc_up = hl.zeros([tile_m, tile_n], dtype=torch.float32)
+        acc = hl.zeros([tile_m, tile_n], dtype=acc_dtype)
+        acc_up = hl.zeros([tile_m, tile_n], dtype=acc_dtype)
         # The norm's statistics, as in rmsnorm_gemm_kernel (written out: Helion traces a called function's
         # ops, not its loops).
         sum_of_squares = hl.zeros([tile_m, 1], dtype=torch.float32)
@@ -155,13 +168,19 @@ def glu_gemm_kernel(
                 if m <= norm_module.ONE_PASS_MAX_M:
                     squares = squares + norm_module.squares(x_tile)
                 x_tile = norm_module.weighted_rows(x_tile, norm_weight[tile_k])
-            acc = torch.addmm(acc, x_tile, w[tile_k, tile_n])
-            acc_up = torch.addmm(acc_up, x_tile, w_up[tile_k, tile_n])
+            acc = hl.dot(x_tile, w[tile_k, tile_n], acc=acc)
+            acc_up = hl.dot(x_tile, w_up[tile_k, tile_n], acc=acc_up)
+        gate, up = acc.to(torch.float32), acc_up.to(torch.float32)
         if norm_weight is not None:
             sum_of_squares = sum_of_squares + squares.sum(-1, keepdim=True)
-            acc = norm_module.scale_rows(acc, sum_of_squares, k, eps)
-            acc_up = norm_module.scale_rows(acc_up, sum_of_squares, k, eps)
-        out[tile_m, tile_n] = epilogue(acc, operands, scalars, tile_m, tile_n, acc_up).to(out.dtype)
+            gate = norm_module.scale_rows(gate, sum_of_squares, k, eps)
+            up = norm_module.scale_rows(up, sum_of_squares, k, eps)
+        up = up_epilogue(up, operands, scalars, tile_m, tile_n)
+        out[tile_m, tile_n] = epilogue(gate, operands, scalars, tile_m, tile_n, up).to(out.dtype)
+
+
+lowp_glu_gemm_kernel = helion.kernel(static_shapes=True, autotune_effort="none")(glu_gemm_kernel)
+glu_gemm_kernel = helion.kernel(static_shapes=True, autotune_effort="none", dot_precision="ieee")(glu_gemm_kernel)
 
 
 @helion.kernel(static_shapes=True, autotune_effort="none")
@@ -333,10 +352,10 @@ def check_operands(sig: Signature) -> None:
 def check_family_steps(steps: tuple[str, ...], family: str) -> None:
     """Refuse a step that only another kernel family runs (``up_mul`` needs the gated kernel's second
     accumulator)."""
-    foreign = [s for s in steps if EPILOGUE_STEPS[s].only_in not in (None, family)]
+    foreign = [s for s in steps if EPILOGUE_STEPS[s].only_in and family not in EPILOGUE_STEPS[s].only_in]
     if foreign:
-        raise ValueError(f"epilogue step {foreign[0]!r} runs only in the {EPILOGUE_STEPS[foreign[0]].only_in} "
-                         f"kernel, not in {family}")
+        raise ValueError(f"epilogue step {foreign[0]!r} runs only in the {', '.join(EPILOGUE_STEPS[foreign[0]].only_in)} "
+                         f"kernels, not in {family}")
 
 
 # (kernel name, signature, config, splits) -> compiled host function of the kernel.
@@ -482,27 +501,55 @@ def glu_gemm_helion(
     config: helion.Config | None = None,
     config_dir: str | None = None,
     norm: tuple[torch.Tensor, RmsNormSpec] | None = None,
+    up_steps: tuple[str, ...] = (),
+    kernel_family: str = GLU_FAMILY,
 ) -> torch.Tensor:
-    """``epilogue(x @ w_kn)`` with the epilogue's ``up_mul`` multiplying by ``x @ up_kn``, as a contiguous
-    [M, N] ``out_dtype`` tensor: one kernel, x read once for both projections. ``config`` is in
-    ``gemm_kernel``'s layout (:func:`glu_kernel_config` adapts it). With ``norm`` (an RMSNorm's weight and
-    spec) both projections multiply the rows of x RMS-normalized as :mod:`helion_backend.norm` says."""
-    steps, operands, scalars = tuple(steps), list(operands), [float(s) for s in scalars]
-    sig = Signature.of(x, w_kn, operands, scalars, steps, out_dtype, norm)
-    check_signature(sig)
-    check_family_steps(steps, GLU_FAMILY)
+    """``epilogue(x @ w_kn)`` with the epilogue's ``up_mul`` multiplying by ``up_steps(x @ up_kn)``, as a
+    contiguous [M, N] ``out_dtype`` tensor: one kernel, x read once for both projections. ``operands`` and
+    ``scalars`` hold the epilogue's, then ``up_steps``' (the up projection's own rescaling on quantized rows:
+    ``token_scale``, ``channel_scale``; float ones have none). ``config`` is in ``gemm_kernel``'s layout
+    (:func:`glu_kernel_config` adapts it; a quantized family without a table entry takes its member
+    family's). With ``norm`` (an RMSNorm's weight and spec) both projections multiply the rows of x
+    RMS-normalized as :mod:`helion_backend.norm` says. ``kernel_family`` ``gemm_glu_fp8`` or
+    ``gemm_glu_int8`` multiplies quantized rows by quantized weights."""
+    steps, up_steps = tuple(steps), tuple(up_steps)
+    operands, scalars = list(operands), [float(s) for s in scalars]
+    (ops, scs), (up_ops, up_scs) = split_per_output((steps, up_steps), operands, scalars)
+    sig = Signature.of(x, w_kn, ops, scs, steps, out_dtype, norm)
+    up_sig = Signature.of(x, up_kn, up_ops, up_scs, up_steps, out_dtype, norm)
+    quantized = kernel_family != GLU_FAMILY
+    for s in (sig, up_sig):
+        check_quantized_signature(s, kernel_family) if quantized else check_signature(s)
+    check_family_steps(steps, kernel_family)
+    check_family_steps(up_steps, MEMBER_FAMILY[kernel_family])
     if Layout.of(up_kn)[:2] != Layout.of(w_kn)[:2]:
         raise ValueError(f"the up projection {tuple(up_kn.shape)} {up_kn.dtype} must match the gate's "
                          f"{tuple(w_kn.shape)} {w_kn.dtype}")
     (m, k), n = x.shape, w_kn.shape[1]
     if config is None:
-        config = config_for(m, k, n, x.dtype, x.device, config_dir, GLU_FAMILY)
+        config = config_for(m, k, n, x.dtype, x.device, config_dir, kernel_family)
     config = glu_kernel_config(config, x.dtype.itemsize, norm is not None)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     weight, eps = norm_kernel_args(norm)
-    args = (x, weight, eps, w_kn, up_kn, out, operands, scalars, tile_epilogue(steps))
-    compiled_kernel(glu_gemm_kernel, args, (sig, Layout.of(up_kn)), config, 1)(*args)
+    args = (x, weight, eps, w_kn, up_kn, out, operands, scalars, tile_epilogue(steps), tile_epilogue(up_steps, steps))
+    kernel = lowp_glu_gemm_kernel if quantized else glu_gemm_kernel
+    compiled_kernel(kernel, args, (sig, up_sig), config, 1)(*args)
     return out
+
+
+@functools.cache
+def check_quantized_signature(sig: Signature, family: str) -> None:
+    """A quantized fused family's GEMM: x [M, K] and w_kn [K, N] both of the family's quantized dtype (rows
+    quantized before the kernel), no norm, and the epilogue's operands as :func:`check_operands` wants."""
+    if len(sig.x.shape) != 2 or len(sig.w.shape) != 2 or sig.x.shape[1] != sig.w.shape[0]:
+        raise ValueError(f"expected x [M, K] and w_kn [K, N], got {sig.x.shape} and {sig.w.shape}")
+    (dtype,) = (RULE_DTYPES[name] for name in KERNEL_FAMILIES[MEMBER_FAMILY[family]].dtypes)
+    if sig.x.dtype != dtype or sig.w.dtype != dtype:
+        raise ValueError(f"the {family} kernel multiplies {dtype} rows by {dtype} weights, got {sig.x.dtype} and "
+                         f"{sig.w.dtype}")
+    if sig.norm is not None:
+        raise ValueError(f"the {family} kernel takes no RMSNorm prologue")
+    check_operands(sig)
 
 
 @functools.cache  # on every launch

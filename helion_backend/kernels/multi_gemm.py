@@ -12,6 +12,12 @@ passes an empty third weight, whose loop has no programs. Each output has its ow
 per slot, reading its operands at its own offset). An RMSNorm shared by the group (the decoder's input
 norm) runs in every tile, as in ``rmsnorm_gemm_kernel``.
 There is no split-K: the outputs' tiles together supply the parallelism it would.
+
+The same source runs fp8 and int8 sites on rows quantized before the launch (Inductor's per-token
+quantization, fused into the op producing the activation): every output multiplies the same quantized
+rows by its own quantized weight (fp32 or int32 accumulator) and rescales in its own epilogue
+(``token_scale``, ``channel_scale``, ...), so a decoder's fp8 q, k and v share one launch as the bf16
+ones do (families ``gemm_multi_fp8`` and ``gemm_multi_int8``).
 """
 
 from __future__ import annotations
@@ -27,12 +33,13 @@ import torch
 from .. import norm as norm_module
 from ..epilogue import split_per_output
 from ..norm import RmsNormSpec
-from ..vocabulary import DEFAULT_KERNEL_FAMILY, MULTI_GEMM_FAMILY, MULTI_GEMM_SLOTS
+from ..vocabulary import MEMBER_FAMILY, MULTI_GEMM_FAMILIES, MULTI_GEMM_FAMILY, MULTI_GEMM_SLOTS
 from .configs import config_for
 from .gemm import (
     Signature,
     TileEpilogue,
     check_family_steps,
+    check_quantized_signature,
     check_signature,
     compiled_kernel,
     norm_kernel_args,
@@ -41,7 +48,8 @@ from .gemm import (
 
 
 # Each loop is written out, with its own variable names: Helion's loop-dependency check goes by name.
-@helion.kernel(static_shapes=True, autotune_effort="none", dot_precision="ieee")
+# One source, two kernels: float inputs with exact fp32 dots (dot_precision="ieee", as eager torch.mm),
+# and fp8/int8 inputs with Triton's default (``lowp_multi_gemm_kernel``, below).
 def multi_gemm_kernel(
     x: torch.Tensor,
     norm_weight: torch.Tensor | None,
@@ -56,13 +64,16 @@ def multi_gemm_kernel(
 ) -> None:
     """``outs[i] = epilogue_i(x' @ weights[i])`` for every slot i in one launch, where x' is x, or with
     ``norm_weight`` its RMS-normalized rows (``eps``; computed as :mod:`helion_backend.norm` says).
-    The epilogues read ``operands`` and ``scalars`` from their own offsets (:func:`.gemm.tile_epilogue`)."""
+    The epilogues read ``operands`` and ``scalars`` from their own offsets (:func:`.gemm.tile_epilogue`).
+    Quantized x and weights (fp8, int8: rows quantized before the launch) accumulate in fp32 or int32; each
+    epilogue gets the fp32 value (its token and channel scales are steps of its own)."""
     m, k = x.size()
+    acc_dtype = torch.int32 if x.dtype == torch.int8 else torch.float32
     block_m = hl.register_block_size(m)
     block_n = hl.register_block_size(weights[0].size(1))
     block_k = hl.register_block_size(k)
     for tile_m, tile_n in hl.tile([m, weights[0].size(1)], block_size=[block_m, block_n]):
-        acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
+        acc = hl.zeros([tile_m, tile_n], dtype=acc_dtype)
         sums = hl.zeros([tile_m, 1], dtype=torch.float32)
         squares = hl.zeros([tile_m, block_k], dtype=torch.float32)
         if norm_weight is not None and m > norm_module.ONE_PASS_MAX_M:
@@ -74,12 +85,12 @@ def multi_gemm_kernel(
                 if m <= norm_module.ONE_PASS_MAX_M:
                     squares = squares + norm_module.squares(x_tile)
                 x_tile = norm_module.weighted_rows(x_tile, norm_weight[tile_k])
-            acc = torch.addmm(acc, x_tile, weights[0][tile_k, tile_n])
+            acc = hl.dot(x_tile, weights[0][tile_k, tile_n], acc=acc)
         if norm_weight is not None:
             acc = norm_module.scale_rows(acc, sums + squares.sum(-1, keepdim=True), k, eps)
-        outs[0][tile_m, tile_n] = epilogue0(acc, operands, scalars, tile_m, tile_n).to(outs[0].dtype)
+        outs[0][tile_m, tile_n] = epilogue0(acc.to(torch.float32), operands, scalars, tile_m, tile_n).to(outs[0].dtype)
     for tile_m1, tile_n1 in hl.tile([m, weights[1].size(1)], block_size=[block_m, block_n]):
-        acc1 = hl.zeros([tile_m1, tile_n1], dtype=torch.float32)
+        acc1 = hl.zeros([tile_m1, tile_n1], dtype=acc_dtype)
         sums1 = hl.zeros([tile_m1, 1], dtype=torch.float32)
         squares1 = hl.zeros([tile_m1, block_k], dtype=torch.float32)
         if norm_weight is not None and m > norm_module.ONE_PASS_MAX_M:
@@ -91,12 +102,12 @@ def multi_gemm_kernel(
                 if m <= norm_module.ONE_PASS_MAX_M:
                     squares1 = squares1 + norm_module.squares(x_tile1)
                 x_tile1 = norm_module.weighted_rows(x_tile1, norm_weight[tile_k1])
-            acc1 = torch.addmm(acc1, x_tile1, weights[1][tile_k1, tile_n1])
+            acc1 = hl.dot(x_tile1, weights[1][tile_k1, tile_n1], acc=acc1)
         if norm_weight is not None:
             acc1 = norm_module.scale_rows(acc1, sums1 + squares1.sum(-1, keepdim=True), k, eps)
-        outs[1][tile_m1, tile_n1] = epilogue1(acc1, operands, scalars, tile_m1, tile_n1).to(outs[1].dtype)
+        outs[1][tile_m1, tile_n1] = epilogue1(acc1.to(torch.float32), operands, scalars, tile_m1, tile_n1).to(outs[1].dtype)
     for tile_m2, tile_n2 in hl.tile([m, weights[2].size(1)], block_size=[block_m, block_n]):
-        acc2 = hl.zeros([tile_m2, tile_n2], dtype=torch.float32)
+        acc2 = hl.zeros([tile_m2, tile_n2], dtype=acc_dtype)
         sums2 = hl.zeros([tile_m2, 1], dtype=torch.float32)
         squares2 = hl.zeros([tile_m2, block_k], dtype=torch.float32)
         if norm_weight is not None and m > norm_module.ONE_PASS_MAX_M:
@@ -108,10 +119,14 @@ def multi_gemm_kernel(
                 if m <= norm_module.ONE_PASS_MAX_M:
                     squares2 = squares2 + norm_module.squares(x_tile2)
                 x_tile2 = norm_module.weighted_rows(x_tile2, norm_weight[tile_k2])
-            acc2 = torch.addmm(acc2, x_tile2, weights[2][tile_k2, tile_n2])
+            acc2 = hl.dot(x_tile2, weights[2][tile_k2, tile_n2], acc=acc2)
         if norm_weight is not None:
             acc2 = norm_module.scale_rows(acc2, sums2 + squares2.sum(-1, keepdim=True), k, eps)
-        outs[2][tile_m2, tile_n2] = epilogue2(acc2, operands, scalars, tile_m2, tile_n2).to(outs[2].dtype)
+        outs[2][tile_m2, tile_n2] = epilogue2(acc2.to(torch.float32), operands, scalars, tile_m2, tile_n2).to(outs[2].dtype)
+
+
+lowp_multi_gemm_kernel = helion.kernel(static_shapes=True, autotune_effort="none")(multi_gemm_kernel)
+multi_gemm_kernel = helion.kernel(static_shapes=True, autotune_effort="none", dot_precision="ieee")(multi_gemm_kernel)
 
 
 @functools.cache  # on every launch
@@ -134,34 +149,42 @@ def multi_gemm_helion(
     config: helion.Config | None = None,
     config_dir: str | None = None,
     norm: tuple[torch.Tensor, RmsNormSpec] | None = None,
+    kernel_family: str = MULTI_GEMM_FAMILY,
 ) -> list[torch.Tensor]:
     """``[epilogue_i(x @ w_kns[i])]`` as contiguous [M, N_i] ``out_dtype`` tensors, from one launch.
 
     ``steps[i]`` is output i's epilogue; ``operands`` and ``scalars`` hold every output's in turn
     (each flattened as :func:`helion_backend.dispatch.flatten_operands` does). ``config`` defaults to
-    the tables' entry for the ``gemm_multi`` family at N = sum of the N_i. With ``norm`` (an RMSNorm's
-    weight and spec) x's rows are normalized first, as in ``gemm_epilogue_helion``.
+    the tables' entry for ``kernel_family`` at N = sum of the N_i (a quantized family without one: the
+    member family's there, see :mod:`.configs`). With ``norm`` (an RMSNorm's weight and spec) x's rows are
+    normalized first, as in ``gemm_epilogue_helion``. ``kernel_family`` ``gemm_multi_fp8`` or
+    ``gemm_multi_int8`` multiplies quantized rows by quantized weights (each output's scales are its
+    epilogue's ``token_scale`` and ``channel_scale``).
     """
     if not 2 <= len(w_kns) <= MULTI_GEMM_SLOTS or len(steps) != len(w_kns):
         raise ValueError(f"expected 2 to {MULTI_GEMM_SLOTS} weights with one epilogue each, got {len(w_kns)} and "
                          f"{len(steps)}")
+    if kernel_family not in MULTI_GEMM_FAMILIES.values():
+        raise ValueError(f"unknown shared-launch family {kernel_family!r}; valid: {list(MULTI_GEMM_FAMILIES.values())}")
     steps = tuple(tuple(s) for s in steps)
     operands, scalars = list(operands), [float(s) for s in scalars]
     per_output = split_per_output(steps, operands, scalars)
     sigs = tuple(Signature.of(x, w, ops, scs, s, out_dtype, norm) for w, s, (ops, scs) in zip(w_kns, steps, per_output))
+    quantized = kernel_family != MULTI_GEMM_FAMILY
     for sig in sigs:
-        check_signature(sig)
-        check_family_steps(sig.steps, DEFAULT_KERNEL_FAMILY)
+        check_quantized_signature(sig, kernel_family) if quantized else check_signature(sig)
+        check_family_steps(sig.steps, MEMBER_FAMILY[kernel_family])
     (m, k), widths = x.shape, [w.shape[1] for w in w_kns]
     if config is None:
-        config = config_for(m, k, sum(widths), x.dtype, x.device, config_dir, MULTI_GEMM_FAMILY)
+        config = config_for(m, k, sum(widths), x.dtype, x.device, config_dir, kernel_family)
     outs = [torch.empty((m, n), dtype=out_dtype, device=x.device) for n in widths]
     empty = MULTI_GEMM_SLOTS - len(w_kns)  # slots without a weight: [K, 0], so their loops have no programs
     weights = [*w_kns, *(x.new_empty((k, 0)) for _ in range(empty))]
     targets = [*outs, *(x.new_empty((m, 0), dtype=out_dtype) for _ in range(empty))]
     norm_weight, eps = norm_kernel_args(norm)
     args = (x, norm_weight, eps, weights, targets, operands, scalars, *_epilogues(steps))
-    compiled_kernel(multi_gemm_kernel, args, sigs, multi_kernel_config(config), 1)(*args)
+    kernel = lowp_multi_gemm_kernel if quantized else multi_gemm_kernel
+    compiled_kernel(kernel, args, sigs, multi_kernel_config(config), 1)(*args)
     return outs
 
 

@@ -75,6 +75,8 @@ class GemmSite:
     # A gated MLP's up projection, multiplied in by the ``up_mul`` step: its weight as stored, and layout.
     up_weight: fx.Node | None = None
     up_layout: str = "nk"
+    # The up projection's own steps before the product (on quantized rows: its token and channel scales).
+    up_steps: list[Step] = field(default_factory=list)
     # What fusing the prologue changed (attribute -> old value): undone when no rule takes it.
     undo_prologue: list[dict[str, object]] = field(default_factory=list)
     rule: Rule | None = None
@@ -124,9 +126,11 @@ class GemmSite:
 
 @dataclass(eq=False)
 class SiteGroup:
-    """Sites that read one activation and run in one launch, in graph order."""
+    """Sites that read one activation and run in one launch, in graph order, and the launch's family
+    (``gemm_multi`` or a quantized variant, :data:`~helion_backend.vocabulary.MULTI_GEMM_FAMILIES`)."""
 
     sites: list[GemmSite]
+    family: str
 
 
 @dataclass

@@ -26,7 +26,7 @@ from ..manifest import ManifestSite, record_sites
 from ..options import BackendOptions
 from ..report import AttentionReport, GraphReport, SiteReport, UnfusedGemm, dim_for_report, record, write_dump
 from ..rules import builtin_rule_files, load_rules, rules_digest
-from ..vocabulary import MULTI_GEMM_FAMILY, dtype_name
+from ..vocabulary import dtype_name
 from . import ANALYSIS, TRANSFORMS
 from .context import AttentionSite, GemmSite, PassContext
 
@@ -163,7 +163,7 @@ def _members(site: GemmSite) -> list[GemmSite]:
 
 def _kernel(site: GemmSite) -> str:
     """The kernel family that runs the site: its rule's, or the shared launch's."""
-    return MULTI_GEMM_FAMILY if site.group is not None else site.rule.kernel
+    return site.group.family if site.group is not None else site.rule.kernel
 
 
 def _site_report(site: GemmSite) -> SiteReport:

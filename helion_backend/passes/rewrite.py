@@ -61,8 +61,9 @@ def _replace(graph: fx.Graph, site: GemmSite, config_dir: str, name: str, replac
             site.up_layout,
             format_steps([s.name for s in site.prologue]),
             site.quant_program.to_json() if site.quant_program is not None else "",
-            [s.operand for s in steps if s.operand is not None],
-            [s.scalar for s in steps if s.scalar is not None],
+            # The epilogue's operands and scalars, then the up projection's own steps' (a quantized gated MLP).
+            [s.operand for s in [*steps, *site.up_steps] if s.operand is not None],
+            [s.scalar for s in [*steps, *site.up_steps] if s.scalar is not None],
             format_steps([s.name for s in steps]),
             val(site.output).dtype,
             site.rule.kernel,
@@ -70,6 +71,7 @@ def _replace(graph: fx.Graph, site: GemmSite, config_dir: str, name: str, replac
             config_dir,
             name,
             *_norm_args(norm),
+            *([format_steps([s.name for s in site.up_steps])] if site.up_steps else []),
         ), lambda node: replaced.get(node, node))
         fused = insert_call(graph, FUSED_OP, args)
         _take_output(graph, site, fused, replaced)
@@ -96,6 +98,7 @@ def _replace_group(graph: fx.Graph, group: SiteGroup, config_dir: str, name: str
             config_dir,
             name,
             *_norm_args(norm),
+            group.family,
         ), lambda node: replaced.get(node, node))
         fused = insert_call(graph, MULTI_OP, args)
         for i, site in enumerate(sites):

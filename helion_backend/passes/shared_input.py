@@ -2,20 +2,33 @@
 
 At decode sizes each of these GEMMs streams its weight in a few microseconds, and the small ones (k and
 v) cannot fill the GPU alone; one launch over all their output tiles reads x once per tile and pays one
-ramp-up. Sites of the default kernel family that read the same activation (the same node, the same
-shape of view of one node, or the same fused RMSNorm of one input) group in graph order, up to
-:data:`~helion_backend.vocabulary.MULTI_GEMM_SLOTS` per launch; each keeps its own epilogue. A group is
-placed as a whole, with the ``gemm_multi`` family's limit at the sum of its widths: if that sends it to
+ramp-up. Sites of one kernel family that read the same activation group in graph order, up to
+:data:`~helion_backend.vocabulary.MULTI_GEMM_SLOTS` per launch; each keeps its own epilogue:
+
+- float sites of the default family: the same node, the same shape of view of one node, or the same
+  fused RMSNorm of one input (family ``gemm_multi``);
+- fp8 and int8 sites on rows quantized before the GEMM (Inductor's per-token quantization, the default):
+  the same quantized rows under the same token scale, each output with its own weight and channel scale
+  (``gemm_multi_fp8``, ``gemm_multi_int8``). Each quantized linear quantizes its input itself, so rows
+  count as the same when the same ops quantize the same activation
+  (:func:`~helion_backend.quant_patterns.quantized_rows`); the launch then reads the first site's rows and
+  token scale, and the others' quantizations are left dead. Rows that are one node under different
+  token scales stay apart, with a note.
+
+A group is placed as a whole, with its family's limit at the sum of its widths: if that sends it to
 Inductor, its sites keep their own placements. A group whose operands are computed after one of its
 sites' results is not formed (the one op could not be placed before every reader).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch.fx as fx
 
 from ..patterns import activation_identity, val
-from ..vocabulary import DEFAULT_KERNEL_FAMILY, MULTI_GEMM_FAMILY, MULTI_GEMM_SLOTS, RMSNORM
+from ..quant_patterns import quantized_rows
+from ..vocabulary import MULTI_GEMM_FAMILIES, MULTI_GEMM_SLOTS, QUANT_DTYPES, RMSNORM
 from .context import GemmSite, PassContext, SiteGroup
 from .placement import place
 
@@ -29,6 +42,7 @@ def run(ctx: PassContext) -> None:
             by_activation.setdefault(_activation_key(site), []).append(site)
     if not any(len(sites) > 1 for sites in by_activation.values()):
         return
+    _note_other_token_scales(by_activation)
     position = {node: i for i, node in enumerate(ctx.graph.nodes)}
     for sites in by_activation.values():
         sites.sort(key=lambda s: position[s.anchor])
@@ -39,38 +53,76 @@ def run(ctx: PassContext) -> None:
 
 
 def _eligible(site: GemmSite) -> bool:
-    """A float site of the default family whose prologue, if any, is an RMSNorm."""
-    return (site.rule is not None and site.rule.kernel == DEFAULT_KERNEL_FAMILY
-            and all(step.name == RMSNORM for step in site.prologue))
+    """A site of a family with a shared launch: a float one whose prologue, if any, is an RMSNorm, or an fp8/int8
+    one without a prologue (it reads quantized rows and rescales them by a token scale of its epilogue)."""
+    if site.rule is None or site.rule.kernel not in MULTI_GEMM_FAMILIES:
+        return False
+    if site.dtype in QUANT_DTYPES.values():
+        return not site.prologue and token_scale(site) is not None
+    return all(step.name == RMSNORM for step in site.prologue)
+
+
+def token_scale(site: GemmSite) -> fx.Node | None:
+    """The [M, 1] scale a quantized site's epilogue multiplies its rows by, if it has one."""
+    return next((step.operand for step in site.steps if step.name == "token_scale"), None)
 
 
 def _activation_key(site: GemmSite) -> tuple:
-    """What the GEMM multiplies, identified so that sites of one activation (and output dtype) share it."""
+    """What the GEMM multiplies, identified so that sites of one activation (and output dtype) share it; for
+    quantized rows, also the family and the token scale that undoes their quantization."""
     out_dtype = val(site.output).dtype
     norm = site.rms_norm
     if norm is not None:
         view = None if norm.view is None else activation_identity(norm.view)
         return (RMSNORM, norm.x, norm.weight, norm.spec, view, out_dtype)
+    if site.dtype in QUANT_DTYPES.values():
+        return (out_dtype, site.rule.kernel, *quantized_rows(site.x, token_scale(site)))
     return (*activation_identity(site.x), out_dtype)
+
+
+def _note_other_token_scales(by_activation: dict[tuple, list[GemmSite]]) -> None:
+    """Quantized rows that groups of sites multiply under different token scales: a note on each such site."""
+    by_rows: dict[tuple, list[tuple]] = {}
+    for key, sites in by_activation.items():
+        if sites[0].dtype in QUANT_DTYPES.values() and key[2] == "nodes":  # (out dtype, family, "nodes", .., scale)
+            by_rows.setdefault(key[:-1], []).append(key)
+    for keys in by_rows.values():
+        if len(keys) < 2:
+            continue
+        for key in keys:
+            others = [s.anchor.name for other in keys if other != key for s in by_activation[other]]
+            for site in by_activation[key]:
+                site.notes.append(f"not in one launch with {', '.join(others)}: the same quantized rows under "
+                                  f"another token scale ({token_scale(site).name} here)")
 
 
 def _group(sites: list[GemmSite], ctx: PassContext, position: dict[fx.Node, int]) -> None:
     leader = sites[0]
+    family = MULTI_GEMM_FAMILIES[leader.rule.kernel]
+    chains = [site.chain for site in sites]
+    if leader.dtype in QUANT_DTYPES.values():
+        _read_the_leaders_rows(sites)
     late = _operand_after_a_result(sites, position)
-    if late is not None:
-        for site in sites:
-            site.notes.append(f"not in one launch with {_names(sites, site)}: {late} is computed after one "
-                              "of their results")
+    runs_on, reason, limit = place(leader, ctx, family, sum(s.n for s in sites)) if late is None else ("", "", 0)
+    if late is not None or runs_on == "inductor":
+        why = f"{late} is computed after one of their results" if late is not None else reason
+        for site, chain in zip(sites, chains):
+            site.chain = chain
+            site.notes.append(f"not in one launch with {_names(sites, site)}: {why}")
         return
-    runs_on, reason, limit = place(leader, ctx, MULTI_GEMM_FAMILY, sum(s.n for s in sites))
-    if runs_on == "inductor":
-        for site in sites:
-            site.notes.append(f"not in one launch with {_names(sites, site)}: {reason}")
-        return
-    group = SiteGroup(sites)
+    group = SiteGroup(sites, family)
+    what = "the same quantized rows and token scale" if leader.dtype in QUANT_DTYPES.values() else "the same activation"
     for site in sites:
         site.group, site.runs_on, site.reason, site.helion_limit = group, runs_on, reason, limit
-        site.notes.append(f"one launch ({MULTI_GEMM_FAMILY}) with {_names(sites, site)}: the same activation")
+        site.notes.append(f"one launch ({family}) with {_names(sites, site)}: {what}")
+
+
+def _read_the_leaders_rows(sites: list[GemmSite]) -> None:
+    """Every output rescaled by the first site's token scale (the op reads its rows): the keys proved the
+    rows and scales equal, and the other sites' quantizations then have no reader left."""
+    scale = token_scale(sites[0])
+    for site in sites[1:]:
+        site.chain = [dataclasses.replace(s, operand=scale) if s.name == "token_scale" else s for s in site.chain]
 
 
 def _operand_after_a_result(sites: list[GemmSite], position: dict[fx.Node, int]) -> str | None:
