@@ -774,3 +774,70 @@ def test_the_code_cache_can_be_turned_off(code_cache_dir, monkeypatch):
     m, k, n, dtype, layout, steps = CACHE_CASE
     run(m + 1, k, n, dtype, layout, steps, 1)
     assert binds == ["gemm_kernel"] * 2 and len(list(code_cache_dir.iterdir())) == 1
+
+
+# Quantized siblings on rows quantized before the kernel (the default compile): q/k/v in one launch, gate/up
+# in one kernel. int8 here (the interpreter loads fp8 wrongly; test_gpu_quant.py runs fp8), no split-K.
+def _int8_rows(m: int, k: int):
+    xq, scale = int8_per_token(torch.randn(m, k))
+    return xq, scale
+
+
+def _int8_weight(k: int, n: int):
+    return torch.randint(-128, 128, (n, k), dtype=torch.int8).t(), torch.rand(n) * 0.01 + 0.001
+
+
+@pytest.mark.parametrize("outputs", [2, 3])
+def test_quantized_multi_gemm_kernel_rescales_each_output(outputs):
+    from helion_backend.dispatch import flatten_operands, unfused_multi
+    from helion_backend.kernels.multi_gemm import multi_gemm_helion
+
+    m, k, widths = 5, 300, [72, 40, 24][:outputs]
+    xq, scale = _int8_rows(m, k)
+    weights = [_int8_weight(k, n) for n in widths]
+    steps = [("cast", "token_scale", "channel_scale", "relu"), ("cast", "token_scale", "channel_scale"),
+             ("cast", "token_scale", "channel_scale", "bias")][:outputs]
+    operands = []
+    for s, n, (_, w_scale) in zip(steps, widths, weights):
+        operands += flatten_operands([scale, w_scale, *([torch.randn(n)] if "bias" in s else [])], s, n)
+    config = helion.Config(block_sizes=BLOCKS, num_warps=4, num_stages=1)
+    w_kns = [w for w, _ in weights]
+    outs = multi_gemm_helion(xq, w_kns, steps, operands, [], torch.float32, config, kernel_family="gemm_multi_int8")
+    refs = unfused_multi(xq, w_kns, steps, operands, [], torch.float32)
+    for out, ref in zip(outs, refs):
+        assert rel_err(out, ref.double()) <= 1e-5
+
+
+def test_quantized_gated_kernel_rescales_both_projections():
+    """``silu(rescale(xq @ wq_gate)) * rescale_up(xq @ wq_up)``: each accumulator by its own channel scale."""
+    from helion_backend.dispatch import flatten_operands, reference
+    from helion_backend.kernels.gemm import glu_gemm_helion
+
+    m, k, n = 5, 300, 72
+    xq, scale = _int8_rows(m, k)
+    (w_gate, s_gate), (w_up, s_up) = _int8_weight(k, n), _int8_weight(k, n)
+    steps, up_steps = ("cast", "token_scale", "channel_scale", "silu", "up_mul"), ("cast", "token_scale", "channel_scale")
+    operands = [*flatten_operands([scale, s_gate], steps, n), *flatten_operands([scale, s_up], up_steps, n)]
+    config = helion.Config(block_sizes=BLOCKS, num_warps=4, num_stages=1)
+    out = glu_gemm_helion(xq, w_gate, w_up, steps, operands, [], torch.float32, config=config, up_steps=up_steps,
+                          kernel_family="gemm_glu_int8")
+    ref = reference(xq, w_gate, steps, operands, [], torch.float32, None, w_up, up_steps)
+    gate = xq.double() @ w_gate.double() * scale.double() * s_gate.double()
+    up = xq.double() @ w_up.double() * scale.double() * s_up.double()
+    assert rel_err(ref, F.silu(gate) * up) <= 1e-5  # the reference applies each projection's own scales
+    assert rel_err(out, ref.double()) <= 1e-5
+
+
+def test_quantized_sibling_kernels_refuse_mismatched_operands():
+    from helion_backend.kernels.gemm import glu_gemm_helion
+    from helion_backend.kernels.multi_gemm import multi_gemm_helion
+
+    xq, _ = _int8_rows(4, 64)
+    w, _ = _int8_weight(64, 32)
+    with pytest.raises(ValueError, match="multiplies torch.int8 rows by torch.int8 weights"):
+        multi_gemm_helion(xq.float(), [w, w], [(), ()], [], [], torch.float32, kernel_family="gemm_multi_int8")
+    with pytest.raises(ValueError, match="unknown shared-launch family"):
+        multi_gemm_helion(xq, [w, w], [(), ()], [], [], torch.float32, kernel_family="gemm_glu_int8")
+    with pytest.raises(ValueError, match=r"read 1 tensor operand\(s\) and 0 scalar\(s\), got 0 and 0"):
+        glu_gemm_helion(xq, w, w, ("silu", "up_mul"), [], [], torch.float32, up_steps=("channel_scale",),
+                        kernel_family="gemm_glu_int8")
