@@ -250,3 +250,102 @@ def test_zero_rows_and_saturation_behave_as_the_unfused_graph():
             out, unfused = compiled(x, r), eager(x, r)
         assert not out.isnan().any()
         assert sqnr_db(unfused, out) >= 40, (fmt, fused)
+
+
+# --------------------------------------------------------------------------------------------------
+# Quantized siblings (default options: rows quantized by Inductor): q/k/v in one launch, gate/up in one kernel.
+
+SIB_D, SIB_KV, SIB_FF = 1024, 256, 3072
+SIBLING_FAMILIES = {"fp8_dynamic": ("gemm_multi_fp8", "gemm_glu_fp8"), "int8_dynamic": ("gemm_multi_int8", "gemm_glu_int8")}
+
+
+class DecoderGemms(nn.Module):
+    """A decoder layer's GEMMs, decode-shaped: normed q/k/v, an output projection, a normed SwiGLU MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(SIB_D, SIB_D, bias=False), nn.Linear(SIB_D, SIB_KV, bias=False),
+                                  nn.Linear(SIB_D, SIB_KV, bias=False))
+        self.o = nn.Linear(SIB_D + 2 * SIB_KV, SIB_D, bias=False)
+        self.gate, self.up = nn.Linear(SIB_D, SIB_FF, bias=False), nn.Linear(SIB_D, SIB_FF, bias=False)
+        self.down = nn.Linear(SIB_FF, SIB_D, bias=False)
+
+    @staticmethod
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        a = x + self.o(torch.cat([self.q(h), self.k(h), self.v(h)], -1))
+        h = self.norm(a)
+        return a + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+@pytest.mark.parametrize("m", [1, 8, 32])
+@pytest.mark.parametrize("fmt", sorted(SIBLING_FAMILIES))
+def test_decoder_block_runs_qkv_and_gate_up_each_in_one_launch(fmt, m):
+    """Placement (q/k/v one launch, gate/up one kernel, on Helion) and numerics: against the same quantized
+    model compiled without the sibling fusions (40 dB) and the float model in float64 (no worse than the
+    unfused compile by more than 0.5 dB)."""
+    from helpers import WITHOUT_GATED
+
+    multi, glu = SIBLING_FAMILIES[fmt]
+    torch.manual_seed(m)
+    base = DecoderGemms().to(device="cuda", dtype=torch.bfloat16).eval()
+    model = quantize(copy.deepcopy(base), fmt)
+    x = torch.randn(m, SIB_D, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        helion_backend.clear_reports()
+        out = torch.compile(model, backend="helion_inductor")(x.clone()).clone()
+        found = sites(helion_backend.get_reports())
+        torch._dynamo.reset()
+        unfused = torch.compile(model, backend="helion_inductor", options={
+            "builtin_rules": False, "rules": WITHOUT_GATED["rules"], "merge_siblings": False})(x.clone()).clone()
+        exact = base.double()(x.double())
+    kernels = sorted(s.kernel for s in found)
+    assert kernels.count(multi) == 3 and kernels.count(glu) == 1, kernels
+    assert all(s.runs_on == "helion" for s in found if s.kernel in (multi, glu)), [(s.kernel, s.runs_on) for s in found]
+    assert not out.isnan().any()
+    assert sqnr_db(unfused, out) >= 40
+    assert sqnr_db(exact, out) >= sqnr_db(exact, unfused) - 0.5
+
+
+@pytest.mark.parametrize("qdtype", [torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize("m", [1, 16, 32])
+def test_quantized_sibling_kernels_against_float64_with_poisoned_outputs(qdtype, m):
+    """The shared launch and the gated kernel on quantized rows, each output against float64 of the same
+    quantized operands; the allocator's memory is filled with NaN first, so an output tile left unwritten
+    shows up."""
+    from helion_backend.dispatch import flatten_operands
+    from helion_backend.kernels.gemm import glu_gemm_helion
+    from helion_backend.kernels.multi_gemm import multi_gemm_helion
+
+    torch.manual_seed(m)
+    k, widths = 1024, [1024, 256, 256]
+    lim = 448.0 if qdtype == torch.float8_e4m3fn else 127.0
+
+    def quantized(*shape):
+        t = (torch.randn(*shape, device="cuda") * lim / 4).clamp(-lim, lim)
+        return (t.round() if qdtype == torch.int8 else t).to(qdtype)
+
+    xq, scale = quantized(m, k), torch.rand(m, 1, device="cuda") * 0.01 + 1e-3
+    ws = [quantized(n, k).t() for n in widths]
+    w_scales = [torch.rand(n, device="cuda") * 0.01 + 1e-3 for n in widths]
+    own = ("token_scale", "channel_scale") if qdtype != torch.int8 else ("cast", "token_scale", "channel_scale")
+    family = "fp8" if qdtype == torch.float8_e4m3fn else "int8"
+    torch.empty(64 << 20, device="cuda").fill_(float("nan"))  # poison what the next allocations reuse
+    operands = [op for n, s in zip(widths, w_scales) for op in flatten_operands([scale, s], own, n)]
+    outs = multi_gemm_helion(xq, ws, [own] * 3, operands, [], torch.bfloat16, kernel_family=f"gemm_multi_{family}")
+    for out, w, s in zip(outs, ws, w_scales):
+        ref = xq.double() @ w.double() * scale.double() * s.double()
+        assert not out.isnan().any() and sqnr_db(ref, out) >= 40
+
+    steps = (*own, "silu", "up_mul")
+    (w_gate, w_up), (s_gate, s_up) = [quantized(3072, k).t() for _ in range(2)], [w_scales[1].repeat(12)] * 2
+    ops = [*flatten_operands([scale, s_gate], own, 3072), *flatten_operands([scale, s_up], own, 3072)]
+    torch.empty(64 << 20, device="cuda").fill_(float("nan"))
+    out = glu_gemm_helion(xq, w_gate, w_up, steps, ops, [], torch.bfloat16, up_steps=own,
+                          kernel_family=f"gemm_glu_{family}")
+    gate = xq.double() @ w_gate.double() * scale.double() * s_gate.double()
+    up = xq.double() @ w_up.double() * scale.double() * s_up.double()
+    assert not out.isnan().any() and sqnr_db(F.silu(gate) * up, out) >= 40
