@@ -4,6 +4,8 @@
     python benchmarks/sweep_gemm_configs.py --kernel gemm_fp8 --m 1,16      # a quantized kernel family
     python benchmarks/sweep_gemm_configs.py --kernel gemm_multi --m 1,8,32  # q, k and v in one launch
     python benchmarks/sweep_gemm_configs.py --kernel gemm_glu --m 1,8,32    # the gated MLP kernel
+    python benchmarks/sweep_gemm_configs.py --kernel gemm_multi_fp8 --m 1,8,32  # also gemm_glu_fp8, *_int8:
+                                                                            # siblings on quantized rows
 
 Each candidate runs the fused kernel (bias + GELU-tanh epilogue) under CUDA-graph replay, cycling
 through enough weight copies to defeat the L2, exactly as the benchmark times it; the fastest
@@ -50,12 +52,21 @@ from helion_backend.kernels.gemm import glu_kernel_config
 from helion_backend.options import BackendOptions
 from helion_backend.timing import time_callable_us
 from helion_backend.tuning import TIMING, ConfigTable, fastest_valid, table_entry, table_metadata
-from helion_backend.tuning_problems import QUANT_FORMAT_OF, TuneKey, build_problem, quantized_site
+from helion_backend.tuning_problems import (
+    QUANT_FORMAT_OF,
+    TuneKey,
+    build_problem,
+    quantized_sibling_epilogue,
+    quantized_site,
+)
 from helion_backend.vocabulary import (
     FP8_BLOCK,
     FP8_BLOCK_FAMILY,
+    GLU_FAMILIES,
     GLU_FAMILY,
     INT4_FAMILY,
+    MEMBER_FAMILY,
+    MULTI_GEMM_FAMILIES,
     MULTI_GEMM_FAMILY,
     RMSNORM,
 )
@@ -158,7 +169,9 @@ def candidates_for(key: TuneKey) -> list[helion.Config]:
     """The family's candidates at this key's M and N."""
     if key.kernel == GLU_FAMILY:
         return glu_candidates(key.m, key.n)
-    if key.kernel == MULTI_GEMM_FAMILY:  # no split-K: the outputs' tiles supply the parallelism
+    if key.kernel in GLU_FAMILIES:  # on quantized rows: the quantized candidates as the gated kernel runs them
+        return list(dict.fromkeys(glu_kernel_config(c, 1, False) for c in candidate_configs(key.m, key.n, QUANT_CANDIDATES)))
+    if key.kernel in MULTI_GEMM_FAMILIES.values():  # no split-K: the outputs' tiles supply the parallelism
         return [c for c in candidate_configs(key.m, key.n) if c["split_k"] == 1]
     if key.kernel in QUANT_FORMAT_OF:
         return quant_candidates(key.kernel, key.m, key.n)
@@ -191,14 +204,20 @@ def fused_norm(m: int) -> tuple[str, ...]:
 def sweep_keys(kernel: str, suites: list[str], ms: list[int]) -> list[TuneKey]:
     """The family's keys at the suites' shapes: q, k and v after their RMSNorm for the shared launch, the
     gate/up shapes for the gated kernel, each layer's own steps then a GELU for the quantized families."""
-    if kernel == MULTI_GEMM_FAMILY:
+    if kernel in MULTI_GEMM_FAMILIES.values():
         groups = sorted({group for suite in suites for group in sibling_groups(suite)})
+        if kernel != MULTI_GEMM_FAMILY:  # q, k and v on quantized rows (no norm: Inductor fused it with the quantization)
+            dtype = quantized_site(MEMBER_FAMILY[kernel])[0]
+            return [TuneKey(kernel, (), dtype, k, sum(widths), m, widths) for k, widths in groups for m in ms]
         return [TuneKey(kernel, (), "bfloat16", k, sum(widths), m, widths, fused_norm(m))
                 for k, widths in groups for m in ms]
     shapes = sorted({(s.k, s.n) for suite in suites for s in SUITES[suite]})
     if kernel == GLU_FAMILY:
         shapes = [shape for shape in shapes if shape in GLU_SHAPES]
         dtype, prologue, steps = "bfloat16", (), GLU_STEPS
+    elif kernel in GLU_FAMILIES:
+        shapes = [shape for shape in shapes if shape in GLU_SHAPES]
+        dtype, prologue, steps = quantized_site(MEMBER_FAMILY[kernel])[0], (), quantized_sibling_epilogue(kernel)
     elif kernel in QUANT_FORMAT_OF:
         dtype, prologue, layer_steps = quantized_site(kernel)
         steps = (*layer_steps, "gelu_tanh")
@@ -210,7 +229,8 @@ def sweep_keys(kernel: str, suites: list[str], ms: list[int]) -> list[TuneKey]:
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--m", default="1,4,16,32", help="comma list of M values")
-    parser.add_argument("--kernel", default="gemm", choices=["gemm", GLU_FAMILY, MULTI_GEMM_FAMILY, *QUANT_FORMAT_OF],
+    parser.add_argument("--kernel", default="gemm", choices=["gemm", GLU_FAMILY, *MULTI_GEMM_FAMILIES.values(), *QUANT_FORMAT_OF,
+                                                         *(f for f in GLU_FAMILIES if f != GLU_FAMILY)],
                         help="kernel family (gemm_multi: a decoder's q, k and v in one launch, after an RMSNorm)")
     parser.add_argument("--suite", default=",".join(s for s in SUITES if s != SMOKE_SUITE), help="comma list of suites")
     parser.add_argument("--budget-min", type=float, default=0, help="start no new key after this long")

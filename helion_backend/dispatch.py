@@ -25,11 +25,11 @@ from .norm import RmsNormSpec, parse_spec, rms_norm
 from .quant_program import QuantProgram, parse_program, quantize_rows
 from .vocabulary import (
     DEFAULT_KERNEL_FAMILY,
-    MULTI_GEMM_FAMILY,
     FP8_BLOCK,
     INT4_HIGH_SHIFT,
     INT4_LOW_MASK,
     INT4_ZERO_POINT,
+    MULTI_GEMM_FAMILY,
     QUANT_DTYPES,
     RMSNORM,
     Operand,

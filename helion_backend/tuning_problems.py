@@ -44,6 +44,7 @@ from .kernels.gemm import (
     epilogue_kernel,
     gemm_config_of_norm_kernel,
     gemm_epilogue_helion,
+    glu_gemm_helion,
     glu_kernel_config,
     record_launches,
 )
@@ -56,11 +57,14 @@ from .quantize import QUANT_FORMATS
 from .timing import Step, copies_to_defeat_l2
 from .vocabulary import (
     ACTIVATION_QUANT_STEPS,
+    CONFIG_FALLBACK,
     DEFAULT_KERNEL_FAMILY,
     FP8_BLOCK_FAMILY,
+    GLU_FAMILIES,
     GLU_FAMILY,
     INT4_FAMILY,
     KERNEL_FAMILIES,
+    MEMBER_FAMILY,
     MULTI_GEMM_FAMILY,
     RMSNORM,
     RULE_DTYPES,
@@ -180,6 +184,8 @@ def build_problem(key: TuneKey, device: torch.device) -> Problem:
         return _multi_problem(key, device)
     if key.kernel in (DEFAULT_KERNEL_FAMILY, GLU_FAMILY):
         return _float_problem(key, device)
+    if key.kernel in CONFIG_FALLBACK:
+        return _quantized_sibling_problem(key, device)
     raise TuneError(f"no tuning problem for the kernel family {key.kernel!r}")
 
 
@@ -425,3 +431,71 @@ def _quantized_call(family: str, layer: torch.nn.Module, rows: tuple[torch.Tenso
     if family == FP8_BLOCK_FAMILY:
         return Call(w_kn=layer.qweight.t(), weight_scale=layer.weight_scale, program=program, **common)
     return Call(w_kn=layer.qweight.t(), program=program, **common)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sibling fusions on quantized rows
+
+
+def quantized_sibling_epilogue(family: str) -> tuple[str, ...]:
+    """The steps a fused quantized family's key is swept with: its member layer's own steps (rows quantized
+    before the call: token and channel scales, int8's casts), then for the gated families SiLU and the product."""
+    _, _, own = quantized_site(MEMBER_FAMILY[family], False)
+    own = tuple(step for step in own if step != "bias")  # the sweep's layers have no bias
+    return (*own, "silu", "up_mul") if family in GLU_FAMILIES else ()
+
+
+def _quantized_sibling_problem(key: TuneKey, device: torch.device) -> Problem:
+    """``gemm_multi_fp8``/``_int8`` (q, k, v: ``widths``) and ``gemm_glu_fp8``/``_int8`` (gate and up, N each):
+    :mod:`helion_backend.quantize` layers of the member family without a bias, on rows quantized before the
+    call by the layer's own program, each output rescaled by its own steps (the layer's); checked against
+    the unfused quantized computation and timed against torch.compile of it."""
+    glu = key.kernel in GLU_FAMILIES
+    widths = (key.n, key.n) if glu else key.widths
+    if not widths:
+        raise TuneError(f"{key.kernel} site recorded without its outputs' widths: compile the model again")
+    member, act_dtype = MEMBER_FAMILY[key.kernel], SUPPORTED_DTYPES[QUANT_ACTIVATION_DTYPE]
+    make = functools.partial(_quantized_layer, member, key.k, bias=False, device=device, dtype=act_dtype)
+    first = [make(n) for n in widths]
+    copies = copies_to_defeat_l2(sum(b.nbytes for layer in first for b in layer.buffers()), device)
+    layers = [first, *([make(n) for n in widths] for _ in range(copies - 1))]
+    gen = torch.Generator(device=device).manual_seed(0)
+    xs = [_randn(gen, device, act_dtype, key.m, key.k) for _ in range(copies)]
+    program = _trace(first[0], xs[0], fuse_activation_quant=True).quant_program
+    own = _layer_steps(_trace(first[0], xs[0], fuse_activation_quant=False))
+    rows = [quantize_rows(program, x) for x in xs]
+    calls = [[_quantized_call(member, layer, r, None, own, own, [], [], act_dtype) for layer in group]
+             for group, r in zip(layers, rows)]
+
+    def args(i: int) -> tuple[Any, ...]:
+        group = calls[i % copies]
+        return (group[0].x, [c.w_kn for c in group], [own] * len(group), [op for c in group for op in c.operands],
+                [], act_dtype)
+
+    if glu:
+        steps = key.epilogue or (*own, "silu", "up_mul")
+
+        def glu_args(i: int) -> tuple[Any, ...]:
+            x, (w, up), _, operands, _, _ = args(i)
+            return x, w, up, operands
+
+        def run(config: helion.Config, i: int) -> Output:
+            x, w, up, operands = glu_args(i)
+            return glu_gemm_helion(x, w, up, steps, operands, [], act_dtype, config, up_steps=own,
+                                   kernel_family=key.kernel)
+
+        def unfused_glu(x: torch.Tensor, w: torch.Tensor, up: torch.Tensor, operands: list[torch.Tensor]) -> Output:
+            return dispatch.unfused(x, w, steps, operands, [], act_dtype, None, up, None, None, own)
+
+        fn, fn_args = unfused_glu, glu_args
+        to_table = functools.partial(glu_kernel_config, itemsize=1, normed=False)
+        epilogue = steps
+    else:
+        def run(config: helion.Config, i: int) -> Output:
+            return multi_gemm_helion(*args(i), config, kernel_family=key.kernel)
+
+        fn, fn_args, to_table, epilogue = dispatch.unfused_multi, args, multi_kernel_config, ()
+    return Problem(
+        run=run, reference=fn(*fn_args(0)), fallback=lambda: compiled(fn, fn_args),
+        current=_current(key, device), epilogue=epilogue, to_table=to_table,
+    )
