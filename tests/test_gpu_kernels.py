@@ -99,7 +99,7 @@ def test_plain_weight(m, split_k):
 
 
 @pytest.mark.parametrize("split_k", [1, 2])
-@pytest.mark.parametrize("steps", [(), EVERY_STEP, *((s,) for s, k in EPILOGUE_STEPS.items() if k.only_in is None)],
+@pytest.mark.parametrize("steps", [(), EVERY_STEP, *((s,) for s, k in EPILOGUE_STEPS.items() if not k.only_in)],
                          ids=str)
 def test_each_step(steps, split_k):
     check(16, K, N, torch.bfloat16, "nk", steps, split_k)
