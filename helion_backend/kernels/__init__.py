@@ -5,11 +5,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 
-from .helion_import import import_helion
+from .helion_import import helion  # Helion's first import here: it defers scikit-learn (see .helion_import)
 
-helion = import_helion()  # before the kernel modules below import it: see .helion_import
-
-import torch  # noqa: E402
+# isort: split
+import torch
 
 from ..norm import RmsNormSpec
 from ..quant_program import QuantProgram

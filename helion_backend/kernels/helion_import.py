@@ -63,3 +63,6 @@ def _deferred_estimator(name: str) -> Callable[..., object]:
 
     build.__name__ = build.__qualname__ = name
     return build
+
+
+helion = import_helion()  # the package imports this module before any kernel module imports Helion
