@@ -104,3 +104,16 @@ def test_malformed_user_table_warns_and_keeps_the_shipped_one(table_dir, tmp_pat
         config = configs.config_for(16, 4096, 12288, torch.bfloat16, CUDA, str(user_dir))
     assert config["block_sizes"][1] == 64
     assert str(bad) in caplog.text
+
+
+@pytest.mark.parametrize(("family", "dtype"), [("gemm_fp8", torch.float8_e4m3fn), ("gemm_int8", torch.int8)])
+def test_quantized_gated_kernel_config_drops_its_fallbacks_single_gemm_keys(family, dtype):
+    """A quantized gated site without table entries runs its member family's config; the gated kernel
+    has neither split-K nor our ``prequantize`` key, which Helion rejects as an invalid config key."""
+    from helion_backend.kernels.gemm import glu_kernel_config
+
+    fallback = configs.default_config(8, 4096, 12288, dtype, family)
+    assert configs.PREQUANTIZE in fallback
+    gated = glu_kernel_config(fallback, dtype.itemsize, False)
+    assert configs.PREQUANTIZE not in gated and "split_k" not in gated
+    assert gated["block_sizes"][:2] == fallback["block_sizes"][:2]

@@ -46,7 +46,7 @@ from ..vocabulary import (
     RULE_DTYPES,
     Operand,
 )
-from .configs import EPILOGUE_CONFIG, config_for
+from .configs import EPILOGUE_CONFIG, PREQUANTIZE, config_for
 
 SUPPORTED_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -565,10 +565,11 @@ _SHARED_MEMORY_BUDGET = 160 * 1024
 
 
 def _fit_two_weights(config: helion.Config, itemsize: int) -> helion.Config:
-    """``config`` for the gated kernel: without a split-K factor (it has no such tunable), and the K
+    """``config`` for the gated kernel: without a split-K factor (it has no such tunable) or ``prequantize``
+    (ours, in the single fp8/int8 GEMM's configs that a quantized gated site falls back to), and the K
     block halved until the stages of x's tile and two weight tiles fit in shared memory (a config sized
     for one weight tile, such as the decode default, would not)."""
-    config = helion.Config(**{key: value for key, value in config.items() if key != "split_k"})
+    config = helion.Config(**{key: value for key, value in config.items() if key not in ("split_k", PREQUANTIZE)})
     block_m, block_n, block_k = config["block_sizes"]
     stages = config.get("num_stages", 1)
     while block_k > 16 and stages * (block_m + 2 * block_n) * block_k * itemsize > _SHARED_MEMORY_BUDGET:
