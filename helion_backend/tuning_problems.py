@@ -449,7 +449,9 @@ def _quantized_sibling_problem(key: TuneKey, device: torch.device) -> Problem:
     """``gemm_multi_fp8``/``_int8`` (q, k, v: ``widths``) and ``gemm_glu_fp8``/``_int8`` (gate and up, N each):
     :mod:`helion_backend.quantize` layers of the member family without a bias, on rows quantized before the
     call by the layer's own program, each output rescaled by its own steps (the layer's); checked against
-    the unfused quantized computation and timed against torch.compile of it."""
+    the unfused quantized computation and timed against what torch.compile runs without the fusion: one
+    quantized GEMM per projection (the layers' ``forward_quantized``: cuBLAS), then for the gated families
+    Inductor's ``silu(gate) * up``."""
     glu = key.kernel in GLU_FAMILIES
     widths = (key.n, key.n) if glu else key.widths
     if not widths:
@@ -495,7 +497,12 @@ def _quantized_sibling_problem(key: TuneKey, device: torch.device) -> Problem:
             return multi_gemm_helion(*args(i), config, kernel_family=key.kernel)
 
         fn, fn_args, to_table, epilogue = dispatch.unfused_multi, args, multi_kernel_config, ()
+    def separate(group: list[torch.nn.Module], quantized_rows: tuple[torch.Tensor, ...]) -> Output:
+        outs = [layer.forward_quantized(*quantized_rows, act_dtype) for layer in group]
+        return (torch.nn.functional.silu(outs[0]) * outs[1]).to(act_dtype) if glu else outs
+
     return Problem(
-        run=run, reference=fn(*fn_args(0)), fallback=lambda: compiled(fn, fn_args),
+        run=run, reference=fn(*fn_args(0)),
+        fallback=lambda: compiled(separate, lambda i: (layers[i % copies], rows[i % copies])),
         current=_current(key, device), epilogue=epilogue, to_table=to_table,
     )
