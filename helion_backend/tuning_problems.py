@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -260,11 +261,22 @@ def float_calls(key: TuneKey, device: torch.device, copies: int, seed: int = 0) 
 
 
 def compiled(fn: Callable[..., Output], args_of: Callable[[int], Sequence[Any]]) -> Step:
-    """``torch.compile`` default of ``fn`` on call i's arguments. Dynamo caches compiled code per code object
-    and stops compiling after a few shapes: it starts afresh, so the fallback of the tenth key compiles too."""
-    torch._dynamo.reset()
-    compiled_fn = torch.compile(fn, dynamic=False)
+    """``torch.compile`` default of ``fn`` on call i's arguments, through a copy of ``fn`` with a code object
+    of its own. Dynamo caches compiled code per code object and stops compiling after a few shapes, so each
+    problem starts afresh and the fallback of the tenth key compiles too. (Resetting Dynamo would also drop
+    every other compiled function of the process, a user's among them: ``autotune_missing`` tunes inside a
+    compiled graph's first call.)"""
+    compiled_fn = torch.compile(_fresh_code(fn), dynamic=False)
     return lambda i: compiled_fn(*args_of(i))
+
+
+def _fresh_code(fn: Callable[..., Output]) -> Callable[..., Output]:
+    """``fn`` as a new function object over a new (equal) code object: a cache of its own in Dynamo."""
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    fresh.__kwdefaults__ = fn.__kwdefaults__
+    return fresh
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -592,3 +592,28 @@ def test_quantized_sibling_families_have_tuning_problems(family):
         assert relative_error(out, problem.reference) <= 1e-2
     if dtype == "int8":  # the timed fallback is the unfused layers (one int8 GEMM each), computing the same
         assert relative_error(problem.fallback()(0), problem.reference) <= 1e-2
+
+
+def test_fallback_compiles_afresh_without_dropping_other_compiled_functions(monkeypatch):
+    """Each problem's fallback compiles past Dynamo's recompile limit, and a function the user compiled
+    before (``autotune_missing`` tunes inside its first call) is not compiled again afterwards."""
+    from torch._dynamo.testing import CompileCounter
+    from torch._dynamo.utils import counters
+
+    from helion_backend.tuning_problems import compiled
+
+    counter = CompileCounter()
+    user = torch.compile(lambda x: x * 2, backend=counter)
+    user(torch.randn(4))
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+
+    def add_one(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    before = counters["stats"]["unique_graphs"]
+    for n in (3, 5, 7):  # three shapes of one function: over the limit of two with a shared code object
+        x = torch.randn(n)
+        assert torch.equal(compiled(add_one, lambda i, x=x: (x,))(0), x + 1)
+    assert counters["stats"]["unique_graphs"] - before == 3
+    user(torch.randn(4))
+    assert counter.frame_count == 1
