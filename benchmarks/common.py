@@ -110,13 +110,18 @@ def read_result_files(paths: Sequence[Path]) -> list[dict]:
     return [json.loads(path.read_text()) for path in paths]
 
 
+MERGED_COMMAND = "none: merged from the runs below (a later run's rows replace an earlier one's)"
+
+
 def merged_metadata(shards: Sequence[dict], ran: set[str]) -> dict[str, Any]:
-    """What every merge of result files shares: the last file's metadata, the runs the files came from (a
-    merged file lists the ones it came from, a run its own command), the labels still skipped (a label that
-    ``ran`` in some file is not) and whether none is."""
+    """What every merge of result files shares: the last file's metadata but its command (no one command
+    produced the merged rows), the runs the files came from (a merged file lists the ones it came from, a
+    run its own command), the labels still skipped (a label that ``ran`` in some file is not) and whether
+    none is."""
     skipped = [label for data in shards for label in data["metadata"]["skipped"] if label not in ran]
     return {
         **shards[-1]["metadata"],
+        "command": MERGED_COMMAND,
         "merged_from": [command for data in shards
                         for command in data["metadata"].get("merged_from", [data["metadata"]["command"]])],
         "skipped": list(dict.fromkeys(skipped)),

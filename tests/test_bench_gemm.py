@@ -16,6 +16,7 @@ if str(ROOT) not in sys.path:  # `pytest` (unlike `python -m pytest`) does not p
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import bench_gemm  # noqa: E402
+from benchmarks.common import MERGED_COMMAND  # noqa: E402
 from helion_backend.quantize import QUANT_FORMATS  # noqa: E402
 from helion_backend.tuning_problems import QUANT_FORMAT_OF  # noqa: E402
 from helion_backend.vocabulary import KERNEL_FAMILIES  # noqa: E402
@@ -129,6 +130,7 @@ def test_merge_adds_formats_and_variants_to_a_result_file(smoke_run, tmp_path):
 
     assert merged["metadata"]["quants"] == ["fp8_dynamic", "fp8_block", "int4_weight_only"]
     assert merged["metadata"]["merged_from"] == [first["metadata"]["command"], "other format", "compile again"]
+    assert merged["metadata"]["command"] == MERGED_COMMAND  # not the last run's, which made only some rows
     assert merged["metadata"]["tolerance"] == max(bench_gemm.QUANT_TOLERANCES[q] for q in merged["metadata"]["quants"])
     rows = {(row["quant"], row["m"]): row for row in merged["rows"]}
     assert len(rows) == 3 * 2
