@@ -94,6 +94,12 @@ def quantized_rows(quantized: fx.Node, scale: fx.Node) -> tuple:
     return ("program", *activation_identity(found.x), found.program.to_json())
 
 
+def rows_without_scale(rows: tuple) -> tuple | None:
+    """A :func:`quantized_rows` key without its token scale where it names one quantized node (equal results:
+    the same node's rows under two scales), else None (a recognized quantization's key holds no scale node)."""
+    return rows[:-1] if rows[0] == "nodes" else None
+
+
 def activation_quant_problem(quantized: fx.Node, scale: fx.Node) -> str:
     """Why :func:`activation_quant` found no quantization of one activation behind ``quantized`` and
     ``scale``, for the report: most often a Python float that Dynamo made a graph input."""

@@ -62,9 +62,6 @@ from .vocabulary import DEFAULT_KERNEL_FAMILY
 
 log = logging.getLogger(__name__)
 
-EFFORTS = TUNE_EFFORTS  # the defaults live with the options, which share them
-DEFAULT_EFFORT = DEFAULT_TUNE_EFFORT
-DEFAULT_BUDGET_S = DEFAULT_TUNE_BUDGET_S
 DEFAULT_NUM_TOKENS = (1, 2, 4, 8, 16, 24, 32)
 # The sweep of the shipped table times with it too, so that user and shipped entries compare.
 TIMING = TimingConfig(warmup_calls=2, calls_per_graph=20, warmup_replays=3, replays=15)
@@ -406,7 +403,7 @@ def tune_missing(sites: Sequence[ManifestSite], options: BackendOptions, device:
     log.info("helion_inductor: autotuning %d key(s) no config table holds (effort %s, %ds per key)",
              len(keys), options.autotune_effort, options.autotune_budget_s)
     try:
-        path = _writable_table(Path(options.config_dir) / f"{configs.gpu_key(device)}.json")
+        path = user_table(options.config_dir, device)
         table = ConfigTable.load(path, COMPILE_COMMAND)
         summary = tune_all(keys, table, tune_one, functools.partial(table_metadata, device),
                            budget_s=options.autotune_budget_s, progress=_LogLines())
@@ -468,14 +465,14 @@ def _positive_int(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("manifest", type=Path, help="the manifest compiles wrote (<cache_dir>/manifest.json)")
-    parser.add_argument("--effort", choices=EFFORTS, default=DEFAULT_EFFORT,
-                        help=f"Helion's autotuning effort preset (default: {DEFAULT_EFFORT})")
+    parser.add_argument("--effort", choices=TUNE_EFFORTS, default=DEFAULT_TUNE_EFFORT,
+                        help=f"Helion's autotuning effort preset (default: {DEFAULT_TUNE_EFFORT})")
     parser.add_argument("--num-tokens", type=parse_num_tokens, default=DEFAULT_NUM_TOKENS, metavar="M,M,...",
                         help="token counts to tune for sites compiled with a dynamic M, capped at each "
                              f"site's Helion limit (default: {','.join(map(str, DEFAULT_NUM_TOKENS))})")
-    parser.add_argument("--budget-per-key", type=_positive_int, default=DEFAULT_BUDGET_S, metavar="SECONDS",
+    parser.add_argument("--budget-per-key", type=_positive_int, default=DEFAULT_TUNE_BUDGET_S, metavar="SECONDS",
                         help="autotuning time per key, shared by its split-K searches; validation and timing "
-                             f"add a little (default: {DEFAULT_BUDGET_S})")
+                             f"add a little (default: {DEFAULT_TUNE_BUDGET_S})")
     parser.add_argument("--force", action="store_true", help="retune keys already in the table")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--cache-dir", type=Path,
@@ -502,8 +499,12 @@ def table_path(args: argparse.Namespace, device: torch.device) -> Path:
     """``--table``, else the user table of ``device`` under ``--cache-dir`` (default: the manifest's folder)."""
     if args.table is not None:
         return _writable_table(args.table)
-    config_dir = Path(BackendOptions(cache_dir=str(args.cache_dir or args.manifest.parent)).config_dir)
-    return _writable_table(config_dir / f"{configs.gpu_key(device)}.json")
+    return user_table(BackendOptions(cache_dir=str(args.cache_dir or args.manifest.parent)).config_dir, device)
+
+
+def user_table(config_dir: str, device: torch.device) -> Path:
+    """The user table of ``device`` in ``config_dir``, its folder created (the one lookups read first)."""
+    return _writable_table(Path(config_dir) / f"{configs.gpu_key(device)}.json")
 
 
 def run_command(args: argparse.Namespace) -> int:

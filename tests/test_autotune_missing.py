@@ -3,6 +3,7 @@ that no config table holds exactly (into the user table, before its first run, n
 and a key that fails costs a warning, not the compile. On the CPU the loop runs with the CUDA device, the Helion
 placement and the tuner replaced; on a GPU, one small key end to end."""
 
+import argparse
 import functools
 import json
 import logging
@@ -235,7 +236,10 @@ def compile_mlp_quietly(options):
 def test_defaults_are_the_tune_commands():
     options = BackendOptions()
     assert (options.autotune_effort, options.autotune_budget_s) == (DEFAULT_TUNE_EFFORT, DEFAULT_TUNE_BUDGET_S)
-    assert (tuning.DEFAULT_EFFORT, tuning.DEFAULT_BUDGET_S) == (DEFAULT_TUNE_EFFORT, DEFAULT_TUNE_BUDGET_S)
+    parser = argparse.ArgumentParser()
+    tuning.add_arguments(parser)
+    command = parser.parse_args(["manifest.json"])
+    assert (command.effort, command.budget_per_key) == (DEFAULT_TUNE_EFFORT, DEFAULT_TUNE_BUDGET_S)
     # Tuning options do not change the rewrite, so they do not change the cache key.
     assert BackendOptions(autotune_missing=True, autotune_budget_s=5).fingerprint() == options.fingerprint()
 

@@ -9,7 +9,8 @@ fused node; attention and attention_rewrite: the same for attention).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Union
 
 import torch
@@ -41,6 +42,17 @@ class Step:
     @property
     def out(self) -> fx.Node:
         return self.nodes[-1]
+
+
+def token_scale(steps: Sequence[Step]) -> fx.Node | None:
+    """The [M, 1] scale that ``steps`` (a quantized GEMM's) multiply its rows by, if any."""
+    return next((step.operand for step in steps if step.name == "token_scale"), None)
+
+
+def with_token_scale(steps: Sequence[Step], scale: fx.Node) -> list[Step]:
+    """``steps`` rescaling by ``scale`` instead of their own token scale: sites proven to read equal
+    quantized rows read one quantization (the fused op reads it), and the others are left dead."""
+    return [replace(step, operand=scale) if step.name == "token_scale" else step for step in steps]
 
 
 @dataclass

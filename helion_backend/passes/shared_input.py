@@ -22,14 +22,12 @@ sites' results is not formed (the one op could not be placed before every reader
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch.fx as fx
 
 from ..patterns import activation_identity, val
-from ..quant_patterns import quantized_rows
+from ..quant_patterns import quantized_rows, rows_without_scale
 from ..vocabulary import MULTI_GEMM_FAMILIES, MULTI_GEMM_SLOTS, QUANT_DTYPES, RMSNORM
-from .context import GemmSite, PassContext, SiteGroup
+from .context import GemmSite, PassContext, SiteGroup, token_scale, with_token_scale
 from .placement import place
 
 
@@ -58,13 +56,8 @@ def _eligible(site: GemmSite) -> bool:
     if site.rule is None or site.rule.kernel not in MULTI_GEMM_FAMILIES:
         return False
     if site.dtype in QUANT_DTYPES.values():
-        return not site.prologue and token_scale(site) is not None
+        return not site.prologue and token_scale(site.steps) is not None
     return all(step.name == RMSNORM for step in site.prologue)
-
-
-def token_scale(site: GemmSite) -> fx.Node | None:
-    """The [M, 1] scale a quantized site's epilogue multiplies its rows by, if it has one."""
-    return next((step.operand for step in site.steps if step.name == "token_scale"), None)
 
 
 def _activation_key(site: GemmSite) -> tuple:
@@ -76,7 +69,7 @@ def _activation_key(site: GemmSite) -> tuple:
         view = None if norm.view is None else activation_identity(norm.view)
         return (RMSNORM, norm.x, norm.weight, norm.spec, view, out_dtype)
     if site.dtype in QUANT_DTYPES.values():
-        return (out_dtype, site.rule.kernel, *quantized_rows(site.x, token_scale(site)))
+        return (out_dtype, site.rule.kernel, *quantized_rows(site.x, token_scale(site.steps)))
     return (*activation_identity(site.x), out_dtype)
 
 
@@ -84,8 +77,9 @@ def _note_other_token_scales(by_activation: dict[tuple, list[GemmSite]]) -> None
     """Quantized rows that groups of sites multiply under different token scales: a note on each such site."""
     by_rows: dict[tuple, list[tuple]] = {}
     for key, sites in by_activation.items():
-        if sites[0].dtype in QUANT_DTYPES.values() and key[2] == "nodes":  # (out dtype, family, "nodes", .., scale)
-            by_rows.setdefault(key[:-1], []).append(key)
+        rows = rows_without_scale(key[2:]) if sites[0].dtype in QUANT_DTYPES.values() else None
+        if rows is not None:  # keys are (out dtype, family, *rows)
+            by_rows.setdefault((*key[:2], *rows), []).append(key)
     for keys in by_rows.values():
         if len(keys) < 2:
             continue
@@ -93,7 +87,7 @@ def _note_other_token_scales(by_activation: dict[tuple, list[GemmSite]]) -> None
             others = [s.anchor.name for other in keys if other != key for s in by_activation[other]]
             for site in by_activation[key]:
                 site.notes.append(f"not in one launch with {', '.join(others)}: the same quantized rows under "
-                                  f"another token scale ({token_scale(site).name} here)")
+                                  f"another token scale ({token_scale(site.steps).name} here)")
 
 
 def _group(sites: list[GemmSite], ctx: PassContext, position: dict[fx.Node, int]) -> None:
@@ -120,9 +114,9 @@ def _group(sites: list[GemmSite], ctx: PassContext, position: dict[fx.Node, int]
 def _read_the_leaders_rows(sites: list[GemmSite]) -> None:
     """Every output rescaled by the first site's token scale (the op reads its rows): the keys proved the
     rows and scales equal, and the other sites' quantizations then have no reader left."""
-    scale = token_scale(sites[0])
+    scale = token_scale(sites[0].steps)
     for site in sites[1:]:
-        site.chain = [dataclasses.replace(s, operand=scale) if s.name == "token_scale" else s for s in site.chain]
+        site.chain = with_token_scale(site.chain, scale)
 
 
 def _operand_after_a_result(sites: list[GemmSite], position: dict[fx.Node, int]) -> str | None:

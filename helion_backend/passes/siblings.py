@@ -24,15 +24,13 @@ notes it.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.fx as fx
 
 from ..patterns import RESHAPES, activation_identity
-from ..quant_patterns import quantized_rows
+from ..quant_patterns import quantized_rows, rows_without_scale
 from ..vocabulary import ACTIVATIONS, GLU_FAMILIES, QUANT_DTYPES, RMSNORM, SUPPORTED_DTYPES, dtype_name
-from .context import GemmSite, PassContext, Step
+from .context import GemmSite, PassContext, Step, token_scale, with_token_scale
 from .match import choose_rule, follow_chain
 
 aten = torch.ops.aten
@@ -117,16 +115,16 @@ def _same_quantized_rows(site: GemmSite, index: int, up: GemmSite,
     """The pairing of quantized projections that multiply the same rows under the same token scale
     (:func:`~helion_backend.quant_patterns.quantized_rows`), the up projection then rescaled by the gate's
     token scale (the kernel reads the gate's rows, and the up's quantization is left dead)."""
-    gate_scale, up_scale = _token_scale(site.steps), _token_scale(own)
+    gate_scale, up_scale = token_scale(site.steps), token_scale(own)
     if gate_scale is None or up_scale is None:
         return "a projection without a token scale"
     gate_rows, up_rows = quantized_rows(site.x, gate_scale), quantized_rows(up.x, up_scale)
     if gate_rows != up_rows:
-        if gate_rows[:-1] == up_rows[:-1] and gate_rows[0] == "nodes":  # one node, two scales
+        if rows_without_scale(gate_rows) is not None and rows_without_scale(gate_rows) == rows_without_scale(up_rows):
             return (f"the up projection {up.anchor.name} rescales the same rows by another token scale "
                     f"({up_scale.name}, the gate {gate_scale.name})")
         return None
-    return index, up, [dataclasses.replace(s, operand=gate_scale) if s.name == "token_scale" else s for s in own]
+    return index, up, with_token_scale(own, gate_scale)
 
 
 def _gated_mul(site: GemmSite, steps: list[Step]) -> int | None:
@@ -142,10 +140,6 @@ def _gated_mul(site: GemmSite, steps: list[Step]) -> int | None:
     while i < len(steps) and own and steps[i].name == "cast":
         i += 1
     return i if i < len(steps) and steps[i].name == "mul" else None
-
-
-def _token_scale(steps: list[Step]) -> fx.Node | None:
-    return next((s.operand for s in steps if s.name == "token_scale"), None)
 
 
 def _quantized(site: GemmSite) -> bool:
