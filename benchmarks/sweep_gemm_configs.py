@@ -117,6 +117,19 @@ QUANT_CANDIDATES = (
     (16, 64, 128, 4, 4, 1, "pointer"),
     (32, 32, 256, 4, 3, 1, "pointer"),
 )
+# One-byte weights (fp8, int8) move half the bytes of a 16-bit tile per pipeline stage, and the small-M
+# kernels stream at the rate of the bytes they keep in flight: the first quantized sweeps picked the
+# deepest tile on offer (16 x 32 x 512) at nearly every key, and fp8 GEMMs ran at 1.8 TB/s where the
+# 16-bit ones reach 3.7 (H200, ninth session). So the K blocks go to 1024 and the pipelines deeper.
+ONE_BYTE_CANDIDATES = (
+    (16, 32, 1024, 4, 3, 1, "pointer"),
+    (16, 64, 512, 4, 3, 1, "pointer"),
+    (16, 32, 512, 4, 5, 1, "pointer"),
+    (16, 32, 1024, 4, 3, 2, "pointer"),
+    (16, 64, 512, 4, 4, 2, "pointer"),
+    (32, 32, 512, 4, 3, 1, "pointer"),
+    (32, 64, 512, 8, 3, 1, "pointer"),
+)
 # The int4 kernel: K blocks in bytes (128 bytes = 256 columns of K), and each step holds the bytes, their
 # scales and both dequantized nibbles in registers, so shallower blocks than the 16-bit ones.
 INT4_CANDIDATES = (
@@ -156,8 +169,9 @@ def quant_candidates(kernel: str, m: int, n: int) -> list[helion.Config]:
         return candidate_configs(m, n, BLOCK_FP8_CANDIDATES)
     candidates = candidate_configs(m, n, QUANT_CANDIDATES)
     if kernel == "gemm_weight_only":  # no activation quantization, so no scales to move
-        return candidates
-    return candidates + candidate_configs(m, n, QUANT_CANDIDATES, **{PREQUANTIZE: True})
+        return candidates + candidate_configs(m, n, ONE_BYTE_CANDIDATES)
+    # The deep tiles only with the rows quantized first, which won every fp8 and int8 key so far.
+    return candidates + candidate_configs(m, n, QUANT_CANDIDATES + ONE_BYTE_CANDIDATES, **{PREQUANTIZE: True})
 
 
 def glu_candidates(m: int, n: int) -> list[helion.Config]:
@@ -170,9 +184,12 @@ def candidates_for(key: TuneKey) -> list[helion.Config]:
     if key.kernel == GLU_FAMILY:
         return glu_candidates(key.m, key.n)
     if key.kernel in GLU_FAMILIES:  # on quantized rows: the quantized candidates as the gated kernel runs them
-        return list(dict.fromkeys(glu_kernel_config(c, 1, False) for c in candidate_configs(key.m, key.n, QUANT_CANDIDATES)))
+        candidates = candidate_configs(key.m, key.n, QUANT_CANDIDATES + ONE_BYTE_CANDIDATES)
+        return list(dict.fromkeys(glu_kernel_config(c, 1, False) for c in candidates))
     if key.kernel in MULTI_GEMM_FAMILIES.values():  # no split-K: the outputs' tiles supply the parallelism
-        return [c for c in candidate_configs(key.m, key.n) if c["split_k"] == 1]
+        one_byte = key.kernel != MULTI_GEMM_FAMILY
+        candidates = candidate_configs(key.m, key.n, CANDIDATES + (ONE_BYTE_CANDIDATES if one_byte else ()))
+        return [c for c in candidates if c["split_k"] == 1]
     if key.kernel in QUANT_FORMAT_OF:
         return quant_candidates(key.kernel, key.m, key.n)
     return candidate_configs(key.m, key.n)
