@@ -34,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     check.add_argument("--with-builtin", action="store_true",
                        help="load the shipped rules too, to catch name clashes with them")
     check.set_defaults(func=_check_rules)
-    tune = sub.add_parser("tune", help="autotune the Helion sites of a manifest into the user's table",
+    tune = sub.add_parser("tune", help="tune the Helion sites of a manifest (candidate sweep or Helion's autotuner) into a config table",
                           description=tuning.DESCRIPTION, epilog=tuning.EPILOG,
                           formatter_class=argparse.RawDescriptionHelpFormatter)
     tuning.add_arguments(tune)

@@ -13,7 +13,11 @@ CACHE_DIR_ENV = "HELION_INDUCTOR_CACHE_DIR"
 CODE_CACHE_ENV = "HELION_INDUCTOR_CODE_CACHE"
 
 # Autotuning defaults, shared by ``python -m helion_backend tune`` and the option ``autotune_missing``.
-TUNE_EFFORTS = ("quick", "full")  # Helion's autotune_effort presets that search ("none" does not)
+# ``sweep`` times the family's fixed candidate configs at the key (:mod:`helion_backend.tuning_candidates`),
+# seconds a key; the others are Helion's autotune_effort presets that search ("none" does not), minutes a key.
+SWEEP_EFFORT = "sweep"
+HELION_TUNE_EFFORTS = ("quick", "full")
+TUNE_EFFORTS = (SWEEP_EFFORT, *HELION_TUNE_EFFORTS)
 DEFAULT_TUNE_EFFORT = "quick"
 DEFAULT_TUNE_BUDGET_S = 300  # seconds of autotuning per key
 
@@ -73,9 +77,11 @@ class BackendOptions:
     before the graph's first run, never while a CUDA graph is being captured. Off by default: a key takes
     up to ``autotune_budget_s`` seconds, and a compile should not silently take minutes."""
     autotune_effort: str = DEFAULT_TUNE_EFFORT
-    """Helion's autotuning effort for ``autotune_missing`` (one of :data:`TUNE_EFFORTS`)."""
+    """The tune command's effort for ``autotune_missing`` (one of :data:`TUNE_EFFORTS`): ``sweep`` times a few
+    fixed candidate configs (seconds a key), ``quick`` and ``full`` run Helion's autotuner (minutes a key)."""
     autotune_budget_s: int = DEFAULT_TUNE_BUDGET_S
-    """Seconds of autotuning per key for ``autotune_missing`` (validation and timing add a little)."""
+    """Seconds of Helion's autotuning per key for ``autotune_missing`` (validation and timing add a little;
+    the ``sweep`` effort does not search, so it has no use for it)."""
 
     @classmethod
     def from_user(cls, options: Mapping[str, Any] | None) -> BackendOptions:

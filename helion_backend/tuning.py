@@ -1,24 +1,29 @@
-"""``python -m helion_backend tune MANIFEST``: autotune the Helion sites a deployment compiled, per num_tokens.
+"""``python -m helion_backend tune MANIFEST``: tune the Helion sites a deployment compiled, per num_tokens.
 
 Compiles record the sites they send to Helion in a manifest (:mod:`.manifest`). The tuner expands it into
 keys (kernel family, dtype, K, N, M): every static M of a site and, for a site compiled with a dynamic M,
 each ``--num-tokens`` value up to the site's Helion limit. Every family the backend runs on Helion is
 tuned: ``gemm``, the gated MLP (``gemm_glu``), the shared launch of q, k and v (``gemm_multi``) and the
-quantized ones. For each key, with the key's :class:`~.tuning_problems.Problem` (shared with
-``benchmarks/sweep_gemm_configs.py``), it
+quantized ones. For each key, with the key's :class:`~.tuning_problems.Problem`, it
 
-1. runs Helion's autotuner on the family's GEMM kernel once per value of the family's config keys that a
-   search cannot explore (``split_k``, and ``prequantize`` for fp8/int8 sites that quantize their
-   activation; see :mod:`.tuning_problems`),
-   seeded with the config the backend runs today; the searches share the key's time budget;
-2. runs each search's winner, and today's config, end to end through the family's wrapper (split-K
-   finishing pass and config adaptation included) against the reference and drops any beyond the
-   tolerance (the autotuner only compares candidates with its seed, and may return one it never ran
-   when the budget ends first);
+1. finds candidates, as ``--effort`` says:
+
+   - ``sweep``: the family's fixed candidate configs at the key's M and N (:mod:`.tuning_candidates`), no
+     search: about 5-10 s a key on an H200, cheap enough to cover every key of the shipped tables
+     (``benchmarks/sweep_gemm_configs.py --write-manifest`` lists them);
+   - ``quick`` and ``full`` (Helion's presets): Helion's autotuner on the family's GEMM kernel, once per
+     value of the family's config keys that a search cannot explore (``split_k``, and ``prequantize`` for
+     fp8/int8 sites that quantize their activation; see :mod:`.tuning_problems`), seeded with the config
+     the backend runs today; the searches share the key's ``--budget-per-key`` (30-300 s a key);
+2. runs each candidate, and today's config (so that no key ends slower than it was), end to end through
+   the family's wrapper (split-K finishing pass and config adaptation included) against the reference and
+   drops any beyond the tolerance (the autotuner only compares candidates with its seed, and may return
+   one it never ran when the budget ends first);
 3. times the survivors and the fallback (``torch.compile`` default of the unfused computation) under
    CUDA-graph replay, rotating weight copies so that the weight streams from HBM as in a model;
-4. writes the fastest, its time, the fallback's and whether Helion won, to the user table
-   ``<cache_dir>/configs/<gpu>.json`` or ``--table`` (the shipped table's format) before the next key starts.
+4. writes the fastest, its time, the fallback's, whether Helion won, the effort and the seconds the key took,
+   to the user table ``<cache_dir>/configs/<gpu>.json`` or ``--table`` (the shipped table's format) before
+   the next key starts.
 
 Keys already in the table are skipped unless ``--force``, so an interrupted run resumes where it
 stopped. Like the shipped table, the table is keyed by shape, not by prologue or epilogue: where sites of
@@ -55,8 +60,9 @@ from torch.utils._pytree import tree_leaves
 from .jsonfile import write_json_atomic
 from .kernels import configs
 from .manifest import ManifestError, ManifestSite, read_manifest
-from .options import DEFAULT_TUNE_BUDGET_S, DEFAULT_TUNE_EFFORT, TUNE_EFFORTS, BackendOptions
+from .options import DEFAULT_TUNE_BUDGET_S, DEFAULT_TUNE_EFFORT, SWEEP_EFFORT, TUNE_EFFORTS, BackendOptions
 from .timing import Step, TimingConfig, relative_error, run_metadata, time_callable_us
+from .tuning_candidates import candidates_for
 from .tuning_problems import TOLERANCE, Output, Problem, Search, TuneError, TuneKey, build_problem
 from .vocabulary import DEFAULT_KERNEL_FAMILY
 
@@ -245,6 +251,34 @@ def table_entry(key: TuneKey, problem: Problem, best: Measured, candidates: int,
     }
 
 
+def search_budget(effort: str, budget_s: int | None) -> int | None:
+    """The seconds of search per key: none for the sweep, which times a fixed list."""
+    return None if effort == SWEEP_EFFORT else budget_s
+
+
+def describe_effort(effort: str, budget_s: int | None) -> str:
+    """``effort quick, 300s per key``, or ``effort sweep`` (no search, no budget), for progress lines."""
+    budget = search_budget(effort, budget_s)
+    return f"effort {effort}" + ("" if budget is None else f", {budget}s per key")
+
+
+def _searched(key: TuneKey, problem: Problem, tuner: Tuner, effort: str,
+              budget_s: int | None) -> tuple[list[helion.Config], list[str]]:
+    """What Helion's autotuner finds in each of the problem's searches (sharing ``budget_s``), in the table's
+    layout, and the searches that failed, said."""
+    searches = problem.searches()
+    share = None if budget_s is None else max(1, budget_s // len(searches))
+    found: list[helion.Config] = []
+    failures: list[str] = []
+    for search in searches:
+        try:
+            found.append(problem.table_config(tuner(search, effort, share), search))
+        except Exception as e:  # a search Helion cannot run must not cost the others
+            failures.append(f"{search}: {type(e).__name__}: {e}")
+            log.warning("helion_inductor tune: %s: autotuning at %s failed (%s)", key, search, e)
+    return found, failures
+
+
 def tune_key(
     key: TuneKey,
     device: torch.device,
@@ -257,22 +291,18 @@ def tune_key(
     clock: Callable[[], float] = time.monotonic,
 ) -> dict[str, Any]:
     """Tune one key (see the module docstring) and return its table entry; raises ``TuneError`` when no
-    search yields a valid config or the key's problem cannot be rebuilt. ``timer`` defaults to CUDA-graph
-    replay on ``device``."""
+    candidate is valid, the key's problem cannot be rebuilt or ``effort`` is unknown. ``timer`` defaults to
+    CUDA-graph replay on ``device``; the ``sweep`` effort never calls ``tuner`` and has no use for ``budget_s``."""
+    if effort not in TUNE_EFFORTS:
+        raise TuneError(f"unknown effort {effort!r}; one of {list(TUNE_EFFORTS)}")
     start = clock()
     timer = timer or functools.partial(time_callable_us, config=TIMING, device=device)
     problem = problem_of(key, device)
-    searches = problem.searches()
-    share = None if budget_s is None else max(1, budget_s // len(searches))
-    candidates: list[helion.Config] = []
-    failures: list[str] = []
-    for search in searches:
-        try:
-            candidates.append(problem.table_config(tuner(search, effort, share), search))
-        except Exception as e:  # a search Helion cannot run must not cost the others
-            failures.append(f"{search}: {type(e).__name__}: {e}")
-            log.warning("helion_inductor tune: %s: autotuning at %s failed (%s)", key, search, e)
-    # Today's config competes too, so a short budget never leaves a key slower than it was.
+    if effort == SWEEP_EFFORT:
+        candidates, failures = candidates_for(key), []
+    else:
+        candidates, failures = _searched(key, problem, tuner, effort, budget_s)
+    # Today's config competes too, so neither a short budget nor a fixed list leaves a key slower than it was.
     candidates.append(problem.current)
     best = fastest_valid(candidates, problem.run, problem.reference, timer, problem.tolerance)
     if best is None:
@@ -386,11 +416,12 @@ def tune_missing(sites: Sequence[ManifestSite], options: BackendOptions, device:
     if not keys:
         return {}
     outcomes: dict[TableKey, str] = {}
+    budget_s = search_budget(options.autotune_effort, options.autotune_budget_s)
 
     def tune_one(key: TuneKey) -> dict[str, Any]:
         start = time.monotonic()
         try:
-            entry = tune_key(key, device, effort=options.autotune_effort, budget_s=options.autotune_budget_s)
+            entry = tune_key(key, device, effort=options.autotune_effort, budget_s=budget_s)
         except Exception as e:
             outcomes[key.table_key] = f"{key}: failed ({type(e).__name__}: {e}); keeps its config"
             log.warning("helion_inductor: autotune_missing: %s", outcomes[key.table_key])
@@ -400,13 +431,13 @@ def tune_missing(sites: Sequence[ManifestSite], options: BackendOptions, device:
         return entry
 
     start = time.monotonic()
-    log.info("helion_inductor: autotuning %d key(s) no config table holds (effort %s, %ds per key)",
-             len(keys), options.autotune_effort, options.autotune_budget_s)
+    log.info("helion_inductor: autotuning %d key(s) no config table holds (%s)",
+             len(keys), describe_effort(options.autotune_effort, options.autotune_budget_s))
     try:
         path = user_table(options.config_dir, device)
         table = ConfigTable.load(path, COMPILE_COMMAND)
         summary = tune_all(keys, table, tune_one, functools.partial(table_metadata, device),
-                           budget_s=options.autotune_budget_s, progress=_LogLines())
+                           budget_s=budget_s, progress=_LogLines())
     except Exception as e:  # the table, not a key: nothing more can be saved, and the compile must not fail
         log.warning("helion_inductor: autotune_missing stopped (%s: %s); the sites keep their configs",
                     type(e).__name__, e)
@@ -424,16 +455,25 @@ def tune_missing(sites: Sequence[ManifestSite], options: BackendOptions, device:
 # Command line
 
 DESCRIPTION = """\
-Autotune the Helion kernels of the sites listed in a compile manifest, for each token count (M), and
-save the best config per key to the user's config table, which later compiles use.
+Tune the Helion kernels of the sites listed in a compile manifest, for each token count (M), and save
+the best config per key to the user's config table, which later compiles use.
 
 Compiles with backend="helion_inductor" on CUDA record the sites they send to Helion in
 <cache_dir>/manifest.json. For every (kernel family, dtype, K, N, M) of it (static M as compiled; dynamic
-M for each --num-tokens value up to the site's Helion limit) this runs Helion's autotuner on the
+M for each --num-tokens value up to the site's Helion limit) this finds candidate configs for the
 family's kernel (gemm, gemm_glu, gemm_multi, gemm_fp8, gemm_int8, gemm_weight_only, gemm_int4,
-gemm_fp8_block), checks the result against a reference, times it and torch.compile's fallback under
-CUDA-graph replay, and writes the entry to <cache_dir>/configs/<gpu>.json (or --table) right away. Keys
-already there are skipped, so a stopped run resumes.
+gemm_fp8_block and the quantized gemm_glu_*/gemm_multi_*), as --effort says:
+
+  sweep   the family's fixed list of candidate configs (helion_backend/tuning_candidates.py), no search:
+          about 5-10 s a key on an H200; how the shipped tables are made (their keys' manifest:
+          python benchmarks/sweep_gemm_configs.py --kernel all --write-manifest PATH)
+  quick   Helion's autotuner (its quick preset), seeded with today's config, within --budget-per-key
+  full    the same with Helion's full preset
+
+It checks each candidate and today's config against a reference, times them and torch.compile's
+fallback under CUDA-graph replay, and writes the fastest to <cache_dir>/configs/<gpu>.json (or --table)
+right away, with the effort and the seconds the key took. Keys already there are skipped, so a stopped
+run resumes.
 """
 
 EPILOG = ("exit status: 0 done, 1 some keys failed (see the log), 2 usage error or no CUDA device, "
@@ -466,13 +506,16 @@ def _positive_int(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("manifest", type=Path, help="the manifest compiles wrote (<cache_dir>/manifest.json)")
     parser.add_argument("--effort", choices=TUNE_EFFORTS, default=DEFAULT_TUNE_EFFORT,
-                        help=f"Helion's autotuning effort preset (default: {DEFAULT_TUNE_EFFORT})")
+                        help=f"{SWEEP_EFFORT}: time the family's fixed candidate configs (seconds a key); "
+                             f"{' or '.join(e for e in TUNE_EFFORTS if e != SWEEP_EFFORT)}: Helion's autotuning "
+                             f"preset (minutes a key) (default: {DEFAULT_TUNE_EFFORT})")
     parser.add_argument("--num-tokens", type=parse_num_tokens, default=DEFAULT_NUM_TOKENS, metavar="M,M,...",
                         help="token counts to tune for sites compiled with a dynamic M, capped at each "
                              f"site's Helion limit (default: {','.join(map(str, DEFAULT_NUM_TOKENS))})")
     parser.add_argument("--budget-per-key", type=_positive_int, default=DEFAULT_TUNE_BUDGET_S, metavar="SECONDS",
                         help="autotuning time per key, shared by its split-K searches; validation and timing "
-                             f"add a little (default: {DEFAULT_TUNE_BUDGET_S})")
+                             f"add a little; --effort {SWEEP_EFFORT} does not search and ignores it "
+                             f"(default: {DEFAULT_TUNE_BUDGET_S})")
     parser.add_argument("--force", action="store_true", help="retune keys already in the table")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--cache-dir", type=Path,
@@ -530,11 +573,12 @@ def _tune(args: argparse.Namespace) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     path = table_path(args, device)
     table = ConfigTable.load(path, shlex.join(sys.orig_argv))
-    print(f"{len(keys)} key(s) from {args.manifest} -> {path} (effort {args.effort}, "
-          f"{args.budget_per_key}s per key)", file=sys.stderr)
-    tune_one = functools.partial(tune_key, device=device, effort=args.effort, budget_s=args.budget_per_key)
+    print(f"{len(keys)} key(s) from {args.manifest} -> {path} ({describe_effort(args.effort, args.budget_per_key)})",
+          file=sys.stderr)
+    budget_s = search_budget(args.effort, args.budget_per_key)
+    tune_one = functools.partial(tune_key, device=device, effort=args.effort, budget_s=budget_s)
     summary = tune_all(keys, table, tune_one, functools.partial(table_metadata, device),
-                       force=args.force, budget_s=args.budget_per_key)
+                       force=args.force, budget_s=budget_s)
     print(f"{summary.tuned} tuned, {summary.skipped} skipped, {len(summary.failed)} failed -> {path}",
           file=sys.stderr)
     for failure in summary.failed:

@@ -1,5 +1,6 @@
-"""The tuning problem of each kernel family: what the tuner (``python -m helion_backend tune``) and the sweep
-(``benchmarks/sweep_gemm_configs.py``) run, check and time for one key.
+"""The tuning problem of each kernel family: what the tuner (``python -m helion_backend tune``, with Helion's
+search or the candidate sweep, also run by ``benchmarks/sweep_gemm_configs.py``) runs, checks and times for
+one key.
 
 A :class:`Problem` runs a config on call ``i`` through the family's production wrapper (so what is checked
 and timed is what a compile runs, the wrapper's config adaptation included), over inputs in enough copies

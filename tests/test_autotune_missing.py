@@ -120,13 +120,14 @@ def test_on_tunes_exactly_the_keys_no_table_holds(tmp_path, fake_cuda, caplog):
     assert len(fake_cuda) == 1
 
 
-def test_options_reach_the_tuner_and_the_report_dump(tmp_path, monkeypatch, fake_cuda):
+@pytest.mark.parametrize("effort, budget_s", [("full", 7), ("sweep", None)])  # the sweep does not search
+def test_options_reach_the_tuner_and_the_report_dump(tmp_path, monkeypatch, fake_cuda, effort, budget_s):
     seen = []
     monkeypatch.setattr(tuning, "tune_key", lambda key, device, *, effort, budget_s: seen.append((effort, budget_s))
                         or entry(key.table_key))
-    compile_mlp(tmp_path, autotune_missing=True, autotune_effort="full", autotune_budget_s=7,
+    compile_mlp(tmp_path, autotune_missing=True, autotune_effort=effort, autotune_budget_s=7,
                 debug_dir=str(tmp_path / "debug"))
-    assert seen == [("full", 7), ("full", 7)]
+    assert seen == [(effort, budget_s)] * 2
     (dump,) = (tmp_path / "debug").iterdir()
     assert len(json.loads((dump / "report.json").read_text())["autotuned"]) == 2
     assert "autotuned at compile time" in (dump / "summary.txt").read_text()
@@ -175,6 +176,20 @@ def test_the_real_key_loop_with_a_fake_tuner_and_timer(tmp_path, monkeypatch, fa
     assert all(e["error"] <= tuning.TOLERANCE for e in entries)
 
 
+def test_the_sweep_effort_times_candidates_at_compile_time_without_helions_autotuner(
+        tmp_path, monkeypatch, fake_cuda, reference_kernels, caplog):  # noqa: F811
+    def tuner(search, effort, budget_s):
+        raise AssertionError("searched")
+
+    monkeypatch.setattr(tuning, "tune_key", functools.partial(REAL_TUNE_KEY, tuner=tuner, timer=lambda step: 1.0))
+    with caplog.at_level(logging.INFO, logger="helion_backend"):
+        out, expected, _ = compile_mlp(tmp_path, autotune_missing=True, autotune_effort="sweep")
+    torch.testing.assert_close(out, expected)
+    assert "autotuning 2 key(s) no config table holds (effort sweep)" in caplog.text
+    entries = json.loads((tmp_path / "configs" / "test_gpu.json").read_text())["entries"]
+    assert [e["effort"] for e in entries] == ["sweep", "sweep"] and all(e["candidates"] > 1 for e in entries)
+
+
 def test_no_tuning_while_a_cuda_graph_is_captured(tmp_path, monkeypatch, fake_cuda):
     capturing = [True]
     monkeypatch.setattr(backend, "_capturing", lambda: capturing[0])
@@ -214,7 +229,7 @@ def test_off_cuda_nothing_tunes(tmp_path, monkeypatch, fake_cuda):
 @pytest.mark.parametrize("options, error, message", [
     ({"autotune_missing": "yes"}, TypeError, "option 'autotune_missing' must be bool, got 'yes'"),
     ({"autotune_missing": 1}, TypeError, "option 'autotune_missing' must be bool, got 1"),
-    ({"autotune_effort": "medium"}, ValueError, r"option 'autotune_effort' must be one of \['quick', 'full'\]"),
+    ({"autotune_effort": "medium"}, ValueError, r"option 'autotune_effort' must be one of \['sweep', 'quick', 'full'\]"),
     ({"autotune_effort": None}, TypeError, "option 'autotune_effort' must be str"),
     ({"autotune_budget_s": 0}, ValueError, "option 'autotune_budget_s' must be >= 1"),
     ({"autotune_budget_s": 2.5}, TypeError, "option 'autotune_budget_s' must be int, got 2.5"),
@@ -242,6 +257,7 @@ def test_defaults_are_the_tune_commands():
     assert (command.effort, command.budget_per_key) == (DEFAULT_TUNE_EFFORT, DEFAULT_TUNE_BUDGET_S)
     # Tuning options do not change the rewrite, so they do not change the cache key.
     assert BackendOptions(autotune_missing=True, autotune_budget_s=5).fingerprint() == options.fingerprint()
+    assert BackendOptions.from_user({"autotune_effort": "sweep"}).fingerprint() == options.fingerprint()
 
 
 # --- on a GPU --------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from helion_backend.kernels import configs
 from helion_backend.kernels.gemm import Layout, Signature, check_operands, norm_kernel_config
 from helion_backend.manifest import ManifestSite
 from helion_backend.tuning import ConfigTable, TuneError, TuneKey
+from helion_backend.tuning_candidates import candidates_for
 from helion_backend.tuning_problems import QUANT_FORMAT_OF, build_problem, quantized_site
 
 CUDA = torch.device("cuda")  # a device object only, except in the GPU test
@@ -78,7 +79,8 @@ def test_help_explains_the_command(capsys):
     assert info.value.code == 0
     out = capsys.readouterr().out
     for words in ("manifest.json", "configs/<gpu>.json", "--num-tokens", "--budget-per-key", "--force", "--table",
-                  "gemm_multi", "gemm_fp8_block", "exit status"):
+                  "gemm_multi", "gemm_fp8_block", "exit status", "{sweep,quick,full}", "fixed list of candidate configs",
+                  "--write-manifest"):
         assert words in out
 
 
@@ -375,6 +377,55 @@ def test_tune_key_without_a_valid_config_fails_with_the_reasons(cpu_table_dir, m
                         timer=lambda step: 1.0)
 
 
+def never_search(search, effort, budget_s):
+    raise AssertionError(f"the sweep effort ran Helion's autotuner at {search}")
+
+
+def test_sweep_effort_times_the_familys_candidates_and_todays_config_without_searching(cpu_table_dir,
+                                                                                    reference_kernels):
+    _, wrong = reference_kernels
+    k = key(4, k=1024, n=64, epilogue=("bias",))
+    problem = build_problem(k, torch.device("cpu"))
+    candidates = candidates_for(k)
+    assert problem.current not in candidates and len(candidates) > 3
+    fastest, runner_up = candidates[2], candidates[-1]
+    wrong.append(fastest)  # the fastest computes the wrong result: dropped
+    times = {fastest: 1.0, runner_up: 2.0}
+    timed = []
+
+    def timer(step):
+        if not isinstance(step, functools.partial):  # the fallback
+            return 9.0
+        timed.append(step.args[0])
+        return times.get(step.args[0], 5.0)
+
+    clock = iter([100.0, 112.25])
+    entry = tuning.tune_key(k, torch.device("cpu"), effort="sweep", budget_s=None, tuner=never_search, timer=timer,
+                            clock=lambda: next(clock))
+    assert timed == [c for c in candidates if c != fastest] + [problem.current]  # each valid one once, in order
+    assert entry["config"] == dict(runner_up) and (entry["us"], entry["fallback_us"]) == (2.0, 9.0)
+    assert (entry["effort"], entry["seconds"], entry["candidates"]) == ("sweep", 12.2, len(candidates) + 1)
+
+
+def test_sweep_effort_keeps_todays_config_when_no_candidate_beats_it(cpu_table_dir, reference_kernels):
+    k = key(1, k=1024, n=64, epilogue=("bias",))
+    current = build_problem(k, torch.device("cpu")).current
+
+    def timer(step):
+        return 1.0 if isinstance(step, functools.partial) and step.args[0] == current else 3.0
+
+    entry = tuning.tune_key(k, torch.device("cpu"), effort="sweep", budget_s=60, tuner=never_search, timer=timer)
+    assert entry["config"] == dict(current) and entry["us"] == 1.0
+
+
+def test_an_unknown_effort_is_refused_before_any_work():
+    def problem_of(key, device):
+        raise AssertionError("built a problem")
+
+    with pytest.raises(TuneError, match=r"unknown effort 'medium'; one of \['sweep', 'quick', 'full'\]"):
+        tuning.tune_key(key(1), CUDA, effort="medium", budget_s=1, problem_of=problem_of)
+
+
 def family_key(kernel: str, fused: bool = False) -> TuneKey:
     """A small key of ``kernel`` as a compile records it (the float ones with their RMSNorm; the quantized ones
     as the option ``fuse_activation_quant`` says)."""
@@ -512,6 +563,21 @@ def test_an_unusable_table_path_is_refused_before_tuning(manifest, tmp_path, fak
     (tmp_path / "a_file").write_text("")
     assert main(["tune", str(manifest), "--table", str(where(tmp_path))]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_sweep_effort_on_the_command_line_tunes_without_a_search_budget(manifest, tmp_path, fake_gpu, monkeypatch,
+                                                                         capsys):
+    calls = []
+    monkeypatch.setattr(tuning, "tune_key", lambda key, **kwargs: calls.append(kwargs) or fake_entry(key))
+    path = tmp_path / "table.json"
+    assert main(["tune", str(manifest), "--effort", "sweep", "--table", str(path)]) == 0
+    assert [(c["effort"], c["budget_s"]) for c in calls] == [("sweep", None)]
+    err = capsys.readouterr().err
+    assert f"1 key(s) from {manifest} -> {path} (effort sweep)" in err and "ETA unknown" in err
+    assert main(["tune", str(manifest), "--effort", "full", "--budget-per-key", "9", "--force", "--table",
+                 str(path)]) == 0
+    assert [(c["effort"], c["budget_s"]) for c in calls[1:]] == [("full", 9)]
+    assert "(effort full, 9s per key)" in capsys.readouterr().err
 
 
 def test_table_and_cache_dir_exclude_each_other(manifest, tmp_path, capsys):

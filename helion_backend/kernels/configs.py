@@ -23,7 +23,7 @@ from ..vocabulary import CONFIG_FALLBACK, DEFAULT_KERNEL_FAMILY, INT4_FAMILY, dt
 
 log = logging.getLogger(__name__)
 
-# Measured configs, one JSON file per GPU (benchmarks/sweep_gemm_configs.py writes them).
+# Measured configs, one JSON file per GPU (`python -m helion_backend tune --effort sweep --table ...` writes them).
 TUNED_DIR = Path(__file__).resolve().parent / "tuned"
 
 _NUM_SMS = 132  # H200

@@ -1,0 +1,150 @@
+"""The candidate configs of each kernel family that the tune command's ``sweep`` effort times at a key.
+
+A short fixed list per family, timed at the key through the family's wrapper (:func:`candidates_for`), costs
+about 5-10 s a key on the GPU against 30-300 s for Helion's search, so it can cover every (shape, M) key
+of the shipped table. The lists are what the sweeps of the shipped table ran
+(``benchmarks/sweep_gemm_configs.py``, now through ``python -m helion_backend tune --effort sweep``);
+editing a tuple changes what later sweeps can find, so results stay comparable only while they stay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import helion
+import torch
+
+from .kernels.configs import PREQUANTIZE
+from .kernels.gemm import glu_kernel_config
+from .tuning_problems import QUANT_FORMAT_OF, TuneKey
+from .vocabulary import (
+    FP8_BLOCK,
+    FP8_BLOCK_FAMILY,
+    GLU_FAMILIES,
+    GLU_FAMILY,
+    INT4_FAMILY,
+    MULTI_GEMM_FAMILIES,
+    MULTI_GEMM_FAMILY,
+)
+
+Candidate = tuple[int, int, int, int, int, int, str]
+# (block_m, block_n, block_k, num_warps, num_stages, split_k, indexing). Helion shrinks block_m to M
+# when M is smaller; "tensor_descriptor" loads through TMA where the tensor allows it (Helion falls
+# back to pointers where it does not).
+CANDIDATES: tuple[Candidate, ...] = (
+    (16, 32, 256, 4, 3, 1, "pointer"),
+    (16, 64, 128, 4, 4, 1, "pointer"),
+    (16, 32, 512, 4, 3, 1, "pointer"),
+    (16, 32, 256, 4, 3, 1, "tensor_descriptor"),
+    # Deeper pipelines: 0.5-1.1 us faster than the table on the o and down projections at M = 1 and 8
+    # (H200, seventh session's scratch sweep).
+    (16, 32, 256, 4, 5, 1, "pointer"),
+    (16, 32, 512, 4, 4, 1, "pointer"),
+    (16, 64, 256, 4, 3, 1, "tensor_descriptor"),
+    (16, 64, 128, 4, 5, 1, "tensor_descriptor"),
+    (16, 128, 128, 8, 4, 1, "tensor_descriptor"),
+    (16, 32, 256, 4, 3, 2, "pointer"),
+    (16, 64, 256, 4, 3, 2, "tensor_descriptor"),
+    (16, 32, 128, 4, 4, 4, "pointer"),
+    (16, 32, 256, 4, 3, 4, "tensor_descriptor"),
+    # Wide N tiles: fewer programs re-read the activation (which the quantized kernels also quantize).
+    (16, 128, 256, 4, 3, 1, "pointer"),
+    (16, 128, 256, 8, 3, 2, "pointer"),
+    (16, 256, 128, 8, 3, 1, "pointer"),
+    # M > 16: one M tile instead of two, so the weight is streamed once.
+    (32, 32, 256, 4, 3, 1, "pointer"),
+    (32, 32, 512, 4, 3, 1, "pointer"),
+    (32, 64, 256, 4, 3, 1, "tensor_descriptor"),
+    (32, 64, 128, 8, 4, 1, "tensor_descriptor"),
+    (32, 32, 256, 4, 4, 2, "pointer"),
+    (32, 64, 128, 4, 4, 2, "tensor_descriptor"),
+)
+# The quantized families: the candidates that did best in the first fp8/int8 sweep, each with the
+# activation quantized inside the GEMM kernel and, once, by a kernel of its own (``prequantize``).
+QUANT_CANDIDATES = (
+    (16, 32, 512, 4, 3, 1, "pointer"),
+    (16, 32, 256, 4, 3, 2, "pointer"),
+    (16, 64, 256, 4, 3, 2, "pointer"),
+    (16, 32, 256, 4, 3, 4, "tensor_descriptor"),
+    (16, 128, 256, 8, 3, 2, "pointer"),
+    (16, 64, 128, 4, 4, 1, "pointer"),
+    (32, 32, 256, 4, 3, 1, "pointer"),
+)
+# One-byte weights (fp8, int8) move half the bytes of a 16-bit tile per pipeline stage, and the small-M
+# kernels stream at the rate of the bytes they keep in flight: the first quantized sweeps picked the
+# deepest tile on offer (16 x 32 x 512) at nearly every key, and fp8 GEMMs ran at 1.8 TB/s where the
+# 16-bit ones reach 3.7 (H200, ninth session). So the K blocks go to 1024 and the pipelines deeper.
+ONE_BYTE_CANDIDATES = (
+    (16, 32, 1024, 4, 3, 1, "pointer"),
+    (16, 64, 512, 4, 3, 1, "pointer"),
+    (16, 32, 512, 4, 5, 1, "pointer"),
+    (16, 32, 1024, 4, 3, 2, "pointer"),
+    (16, 64, 512, 4, 4, 2, "pointer"),
+    (32, 32, 512, 4, 3, 1, "pointer"),
+    (32, 64, 512, 8, 3, 1, "pointer"),
+)
+# The int4 kernel: K blocks in bytes (128 bytes = 256 columns of K), and each step holds the bytes, their
+# scales and both dequantized nibbles in registers, so shallower blocks than the 16-bit ones.
+INT4_CANDIDATES = (
+    (16, 32, 128, 4, 3, 1, "pointer"),
+    (16, 64, 64, 4, 4, 1, "pointer"),
+    (16, 32, 256, 4, 3, 1, "pointer"),
+    (16, 64, 128, 4, 3, 2, "pointer"),
+    (16, 32, 128, 4, 3, 4, "pointer"),
+    (16, 128, 64, 8, 3, 1, "pointer"),
+    (32, 32, 128, 4, 3, 1, "pointer"),
+    (32, 64, 64, 4, 4, 2, "pointer"),
+)
+# Block fp8: the K block is always one group (FP8_BLOCK), so only the M and N tiles, warps, stages and
+# splits vary.
+BLOCK_FP8_CANDIDATES = tuple(
+    (bm, bn, FP8_BLOCK, w, s, sk, "pointer")
+    for bm, bn, w, s, sk in ((16, 32, 4, 3, 1), (16, 64, 4, 3, 1), (16, 128, 4, 3, 1), (16, 64, 4, 4, 2),
+                             (16, 32, 4, 3, 4), (16, 128, 8, 3, 2), (32, 64, 4, 3, 1), (32, 128, 8, 3, 1))
+)
+# Splits beyond this many CTAs only add partial sums to write and read back.
+MAX_SPLIT_CTAS = 4 * 132
+
+
+def candidate_configs(m: int, n: int, candidates: Sequence[Candidate] = CANDIDATES,
+                      **extra: object) -> list[helion.Config]:
+    """The candidates that make sense at this M and N (block_m above M and oversplit grids are skipped)."""
+    return [
+        helion.Config(block_sizes=[bm, bn, bk], num_warps=w, num_stages=s, split_k=sk, indexing=ix, **extra)
+        for bm, bn, bk, w, s, sk, ix in candidates
+        if (bm <= 16 or m > 16) and (sk == 1 or -(-n // bn) * -(-m // bm) * sk <= MAX_SPLIT_CTAS)
+    ]
+
+
+def quant_candidates(kernel: str, m: int, n: int) -> list[helion.Config]:
+    """A quantized family's candidates: int4's and block fp8's own K blocks; the one-byte deep tiles for the rest."""
+    if kernel == INT4_FAMILY:
+        return candidate_configs(m, n, INT4_CANDIDATES)
+    if kernel == FP8_BLOCK_FAMILY:
+        return candidate_configs(m, n, BLOCK_FP8_CANDIDATES)
+    candidates = candidate_configs(m, n, QUANT_CANDIDATES)
+    if kernel == "gemm_weight_only":  # no activation quantization, so no scales to move
+        return candidates + candidate_configs(m, n, ONE_BYTE_CANDIDATES)
+    # The deep tiles only with the rows quantized first, which won every fp8 and int8 key so far.
+    return candidates + candidate_configs(m, n, QUANT_CANDIDATES + ONE_BYTE_CANDIDATES, **{PREQUANTIZE: True})
+
+
+def glu_candidates(m: int, n: int) -> list[helion.Config]:
+    """The 16-bit candidates as the gated kernel runs them (so that the table records what runs), each once."""
+    return list(dict.fromkeys(glu_kernel_config(c, torch.bfloat16.itemsize, False) for c in candidate_configs(m, n)))
+
+
+def candidates_for(key: TuneKey) -> list[helion.Config]:
+    """The family's candidates at this key's M and N."""
+    if key.kernel == GLU_FAMILY:
+        return glu_candidates(key.m, key.n)
+    if key.kernel in GLU_FAMILIES:  # on quantized rows: the quantized candidates as the gated kernel runs them
+        candidates = candidate_configs(key.m, key.n, QUANT_CANDIDATES + ONE_BYTE_CANDIDATES)
+        return list(dict.fromkeys(glu_kernel_config(c, 1, False) for c in candidates))
+    if key.kernel in MULTI_GEMM_FAMILIES.values():  # no split-K: the outputs' tiles supply the parallelism
+        one_byte = key.kernel != MULTI_GEMM_FAMILY
+        candidates = candidate_configs(key.m, key.n, CANDIDATES + (ONE_BYTE_CANDIDATES if one_byte else ()))
+        return [c for c in candidates if c["split_k"] == 1]
+    if key.kernel in QUANT_FORMAT_OF:
+        return quant_candidates(key.kernel, key.m, key.n)
+    return candidate_configs(key.m, key.n)
