@@ -203,6 +203,12 @@ def read_manifest(path: Path) -> list[ManifestSite]:
     return sites
 
 
+def write_manifest(path: Path, sites: Sequence[ManifestSite]) -> None:
+    """Write ``sites`` (merged) as the manifest at ``path``, atomically; raises ``OSError`` when it cannot
+    (compiles merge through :func:`record_sites`, which never raises)."""
+    write_json_atomic(path, {"version": MANIFEST_VERSION, "sites": [s.to_json() for s in merge_sites(sites)]})
+
+
 def record_sites(path: Path, sites: Sequence[ManifestSite]) -> None:
     """Merge ``sites`` into the manifest at ``path``; warn, never raise, when that fails."""
     if not sites:
@@ -217,7 +223,7 @@ def record_sites(path: Path, sites: Sequence[ManifestSite]) -> None:
         if merged == existing:
             return
         try:
-            write_json_atomic(path, {"version": MANIFEST_VERSION, "sites": [s.to_json() for s in merged]})
+            write_manifest(path, merged)
         except OSError as e:
             log.warning("helion_inductor: cannot write the manifest %s (%s); the tuner will not see these "
                         "sites", path, e)

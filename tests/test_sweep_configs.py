@@ -1,6 +1,8 @@
-"""benchmarks/sweep_gemm_configs.py on the CPU: its arguments, and the gated kernel's sweep of one key end to
-end with the kernel replaced by the reference (the sweep itself times Helion kernels on a GPU)."""
+"""benchmarks/sweep_gemm_configs.py on the CPU: its arguments, its keys, the manifest of them the tune command
+reads, and the gated kernel's sweep of one key end to end with the kernel replaced by the reference (the sweep
+itself times Helion kernels on a GPU)."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -13,10 +15,15 @@ if str(ROOT) not in sys.path:  # `pytest` (unlike `python -m pytest`) does not p
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import sweep_gemm_configs as sweep  # noqa: E402
-from helion_backend import dispatch, tuning_problems  # noqa: E402
+from helion_backend import dispatch, tuning, tuning_problems  # noqa: E402
+from helion_backend.__main__ import main as helion_main  # noqa: E402
 from helion_backend.kernels.gemm import glu_kernel_config  # noqa: E402
+from helion_backend.manifest import read_manifest  # noqa: E402
 from helion_backend.timing import TimingConfig  # noqa: E402
-from helion_backend.tuning import TuneKey  # noqa: E402
+from helion_backend.tuning import DEFAULT_NUM_TOKENS, TuneKey, expand_keys  # noqa: E402
+from helion_backend.tuning_candidates import candidates_for, glu_candidates  # noqa: E402
+
+SUITES = sweep.parse_args([]).suites  # the script's default: every model's suite
 
 
 def test_gated_family_is_a_choice_and_sweeps_the_gate_up_shapes(capsys):
@@ -40,12 +47,12 @@ def test_keys_of_each_family_are_what_a_compile_records():
 
 @pytest.mark.parametrize("m", [1, 32])
 def test_gated_candidates_are_the_configs_the_kernel_runs(m):
-    candidates = sweep.glu_candidates(m, 12288)
+    candidates = glu_candidates(m, 12288)
     assert len(set(candidates)) == len(candidates) > 1
     assert all("split_k" not in c and glu_kernel_config(c, 2, False) == c for c in candidates)
 
 
-def test_gated_key_checks_times_and_records_an_entry(monkeypatch):
+def test_gated_key_checks_times_and_records_an_entry_with_the_sweep_effort(monkeypatch):
     configs = []
 
     def reference_kernel(family, x, w_kn, steps, operands, scalars, out_dtype, config_dir, program, up_kn, *,
@@ -54,11 +61,54 @@ def test_gated_key_checks_times_and_records_an_entry(monkeypatch):
         return dispatch.unfused(x, w_kn, steps, operands, scalars, out_dtype, program, up_kn, weight_scale, norm)
 
     monkeypatch.setattr(tuning_problems, "run_kernel", reference_kernel)
-    monkeypatch.setattr(sweep, "TIMING", TimingConfig(warmup_calls=1, calls_per_graph=1, warmup_replays=0, replays=1))
+    monkeypatch.setattr(tuning, "TIMING", TimingConfig(warmup_calls=1, calls_per_graph=1, warmup_replays=0, replays=1))
     key = TuneKey("gemm_glu", sweep.GLU_STEPS, "bfloat16", 64, 48, 3)
-    entry = sweep.sweep_key(key, torch.device("cpu"))
-    assert entry is not None, "every candidate was off the float64 reference"
-    assert {key: entry[key] for key in ("kernel", "dtype", "k", "n", "m", "epilogue")} == {
-        "kernel": "gemm_glu", "dtype": "bfloat16", "k": 64, "n": 48, "m": 3, "epilogue": ["silu", "up_mul"]}
-    assert entry["us"] > 0 and entry["fallback_us"] > 0 and entry["candidates"] == len(sweep.glu_candidates(3, 48))
-    assert helion.Config(**entry["config"]) in configs
+    entry = tuning.tune_key(key, torch.device("cpu"), effort="sweep", budget_s=None)  # as the script's loop calls it
+    assert {key: entry[key] for key in ("kernel", "dtype", "k", "n", "m", "epilogue", "effort")} == {
+        "kernel": "gemm_glu", "dtype": "bfloat16", "k": 64, "n": 48, "m": 3, "epilogue": ["silu", "up_mul"],
+        "effort": "sweep"}
+    candidates = set(glu_candidates(3, 48))
+    assert entry["us"] > 0 and entry["fallback_us"] > 0 and entry["seconds"] >= 0
+    assert entry["candidates"] == len(candidates | {tuning_problems.build_problem(key, torch.device("cpu")).current})
+    assert candidates <= set(configs) and helion.Config(**entry["config"]) in configs
+
+
+def test_every_swept_family_has_candidates_at_every_key():
+    for kernel in sweep.KERNELS:
+        for key in sweep.sweep_keys(kernel, SUITES, [1, 32]):
+            assert candidates_for(key), key
+
+
+def test_the_suites_manifest_expands_in_the_tune_command_to_the_keys_the_script_sweeps(tmp_path, capsys):
+    path = tmp_path / "suites.json"
+    sweep.main(["--kernel", "all", "--write-manifest", str(path)])
+    assert f"-> {path}" in capsys.readouterr().out
+    sites = read_manifest(path)  # as the tune command reads it
+    for ms in (list(DEFAULT_NUM_TOKENS), [1, 4, 16, 32], [2, 3]):
+        swept = [key for kernel in sweep.KERNELS for key in sweep.sweep_keys(kernel, SUITES, ms)]
+        assert expand_keys(sites, ms) == sorted(swept, key=lambda key: key.table_key)
+    # The shared launch takes its RMSNorm at one row only (fused_norm), the gated and quantized families their steps.
+    multi = {(site.prologue, site.dynamic_m_limit) for site in sites if site.kernel == "gemm_multi"}
+    assert multi == {(("rmsnorm",), 1), ((), 32)}
+    assert {site.kernel for site in sites} == set(sweep.KERNELS)
+
+
+def test_a_family_manifest_and_its_errors(tmp_path, capsys):
+    path = tmp_path / "multi.json"
+    sweep.main(["--kernel", "gemm_multi", "--suite", "qwen3_8b", "--write-manifest", str(path)])
+    assert {site["kernel"] for site in json.loads(path.read_text())["sites"]} == {"gemm_multi"}
+    for argv, message in [(["--m", "1,8"], "--m does not apply to --write-manifest"),
+                          (["--suite", "qwen3_9b"], "unknown suite(s) ['qwen3_9b']")]:
+        with pytest.raises(SystemExit) as stopped:
+            sweep.main([*argv, "--write-manifest", str(path)])
+        assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_documented_tune_command_reads_the_manifest(tmp_path, capsys, monkeypatch):
+    """``tune <manifest> --effort sweep --num-tokens ...`` gets as far as the device (none here)."""
+    path = tmp_path / "suites.json"
+    sweep.main(["--kernel", "gemm_glu", "--write-manifest", str(path)])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = ["tune", str(path), "--effort", "sweep", "--num-tokens", "1,2,4,8,16,24,32", "--table",
+            str(tmp_path / "table.json")]
+    assert helion_main(argv) == 2 and "error: no CUDA device" in capsys.readouterr().err
