@@ -60,7 +60,14 @@ from torch.utils._pytree import tree_leaves
 from .jsonfile import write_json_atomic
 from .kernels import configs
 from .manifest import ManifestError, ManifestSite, read_manifest
-from .options import DEFAULT_TUNE_BUDGET_S, DEFAULT_TUNE_EFFORT, SWEEP_EFFORT, TUNE_EFFORTS, BackendOptions
+from .options import (
+    DEFAULT_TUNE_BUDGET_S,
+    DEFAULT_TUNE_EFFORT,
+    HELION_TUNE_EFFORTS,
+    SWEEP_EFFORT,
+    TUNE_EFFORTS,
+    BackendOptions,
+)
 from .timing import Step, TimingConfig, relative_error, run_metadata, time_callable_us
 from .tuning_candidates import candidates_for
 from .tuning_problems import TOLERANCE, Output, Problem, Search, TuneError, TuneKey, build_problem
@@ -507,7 +514,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("manifest", type=Path, help="the manifest compiles wrote (<cache_dir>/manifest.json)")
     parser.add_argument("--effort", choices=TUNE_EFFORTS, default=DEFAULT_TUNE_EFFORT,
                         help=f"{SWEEP_EFFORT}: time the family's fixed candidate configs (seconds a key); "
-                             f"{' or '.join(e for e in TUNE_EFFORTS if e != SWEEP_EFFORT)}: Helion's autotuning "
+                             f"{' or '.join(HELION_TUNE_EFFORTS)}: Helion's autotuning "
                              f"preset (minutes a key) (default: {DEFAULT_TUNE_EFFORT})")
     parser.add_argument("--num-tokens", type=parse_num_tokens, default=DEFAULT_NUM_TOKENS, metavar="M,M,...",
                         help="token counts to tune for sites compiled with a dynamic M, capped at each "
