@@ -9,6 +9,15 @@ the chunks (flash-decoding). With one chunk the kernel writes the output directl
 
 The softmax runs in base 2 on fp32 scores (``exp2`` of ``log2(e)``-scaled logits); probabilities meet
 ``v`` in its dtype on the tensor cores, as in flash attention.
+
+With a boolean mask whose masked positions drop out (a fill of -inf, or one at most
+:data:`SKIP_READS_FILL`), each chunk stops reading the cache after the last position some row of its
+program keeps: a static cache is allocated for the longest sequence and masks the positions past the
+current one, which a decode step would otherwise stream from memory for nothing (at position 512 of
+1024, half of every layer's K and V). A masked logit's probability is exactly zero whatever the cache
+holds there, as long as its row keeps some position. A row that keeps none of a chunk with a finite fill
+(cuDNN's -65536) adds the same fill to each of its logits, which the softmax cancels: its chunk is read
+whole, as the graph computes it. (With -inf such a row contributes nothing.)
 """
 
 from __future__ import annotations
@@ -28,8 +37,15 @@ from .gemm import Layout, compiled_kernel
 LOG2E = 1.4426950408889634
 # Cache positions per chunk come in whole runs of this many (so that full K/V blocks stay unmasked).
 CHUNK_ALIGN = 64
-# Programs a launch should have to fill an H100/H200 (132 SMs): the split heuristic aims at this many.
-TARGET_PROGRAMS = 128
+# A finite fill at most this large drops a masked position out of fp32's softmax (exp(fill) is 0) unless its
+# score exceeds the row's best kept score by nearly 10^4: the kernel then skips reading masked positions.
+# cuDNN's fill for a boolean mask is -65536, Hugging Face's masks use the dtype's minimum.
+SKIP_READS_FILL = -1e4
+# Programs a launch should have to fill an H100/H200 (132 SMs) several times over: the split heuristic aims
+# at this many (with the chunk merge no longer spilling, four programs an SM beat one; see default_config).
+TARGET_PROGRAMS = 512
+# The most mask positions a program reads in one step of its first pass ([rows, positions] in registers).
+MAX_SCAN_BLOCK = 512
 
 
 @helion.kernel(static_shapes=True, autotune_effort="none", dot_precision="ieee")
@@ -41,6 +57,8 @@ def decode_attention_kernel(
     keep: torch.Tensor | None,
     scale: float,
     masked_bias: float,
+    skip_reads: hl.constexpr,
+    finite_fill: hl.constexpr,
     out: torch.Tensor,
     lse: torch.Tensor,
 ) -> None:
@@ -48,10 +66,13 @@ def decode_attention_kernel(
     strides: broadcast views), whose False positions add ``masked_bias`` (-inf: they drop out). Cache chunk
     ``s`` writes its rows' output ``out[s]`` ([S, B, H, R, D], normalized within the chunk) and base-2
     log-sum-exp ``lse[s]`` ([S, B, H, R]); a row with every position of the chunk masked out (-inf) writes
-    zeros and ``-inf``."""
+    zeros and ``-inf``. With ``skip_reads`` (the fill drops masked positions out), a chunk stops reading K and
+    V after the last position some row of the program keeps, unless the fill is finite (``finite_fill``) and
+    some row keeps none of the chunk."""
     b, h, r, d = q.size()
     kv_len = k.size(2)
     block_l = hl.register_block_size(kv_len)
+    block_scan = hl.register_block_size(kv_len)  # positions of the mask a chunk's first step reads at once
     split_kv = hl.register_tunable("split_kv", PowerOfTwoFragment(1, 64, 1))
     # Written out here, not called from chunk_size(): Helion takes a block size only from an inline expression.
     chunk = helion.cdiv(helion.cdiv(kv_len, split_kv), 64) * 64
@@ -61,8 +82,26 @@ def decode_attention_kernel(
         row_max = hl.full([tile_r], float("-inf"), dtype=torch.float32)
         row_sum = hl.zeros([tile_r], dtype=torch.float32)
         acc = hl.zeros([tile_r, d], dtype=torch.float32)
-        for tile_l in hl.tile(tile_s.begin, tile_s.end, block_size=block_l):
-            logits = hl.dot(q_rows, k[bi, hi, tile_l, :].T, out_dtype=torch.float32) * (scale * LOG2E)
+        end = hl.full([], 0, dtype=torch.int32) + tile_s.end  # on the device: a mask may move it
+        if keep is not None and skip_reads:
+            # Stop after the chunk's last position some row keeps: past it, every row adds the fill. The mask
+            # is read in large steps (one a memory latency: 16 steps of 64 cost 10 us at batch 32); a chunk
+            # no row keeps any of gets end 0, and no step of the loop below runs.
+            end = hl.zeros([], dtype=torch.int32)
+            row_keeps = hl.zeros([tile_r], dtype=torch.int32)
+            for tile_m in hl.tile(tile_s.begin, tile_s.end, block_size=block_scan):
+                kept = keep[bi, hi, tile_r, tile_m]
+                ends = torch.where(kept, tile_m.index[None, :] + 1, 0)
+                end = torch.maximum(end, torch.amax(torch.amax(ends, -1), 0))
+                row_keeps = torch.maximum(row_keeps, torch.amax(kept.to(torch.int32), -1))
+            if finite_fill:
+                # A (real) row that keeps none of the chunk attends to all of it: the fill cancels.
+                keeps_none = (row_keeps == 0) & (tile_r.index < r)
+                end = torch.where(torch.amax(keeps_none.to(torch.int32), 0) > 0, tile_s.end, end)
+        for tile_l in hl.tile(tile_s.begin, end, block_size=block_l):
+            k_block = k[bi, hi, tile_l, :]
+            v_block = v[bi, hi, tile_l, :]
+            logits = hl.dot(q_rows, k_block.T, out_dtype=torch.float32) * (scale * LOG2E)
             if bias is not None:
                 logits = logits + bias[bi, hi, tile_r, tile_l].to(torch.float32) * LOG2E
             if keep is not None:
@@ -73,7 +112,7 @@ def decode_attention_kernel(
             p = torch.exp2(logits - shift[:, None])
             rescale = torch.exp2(row_max - shift)
             row_sum = row_sum * rescale + torch.sum(p, -1)
-            acc = hl.dot(p.to(v.dtype), v[bi, hi, tile_l, :], acc=acc * rescale[:, None])
+            acc = hl.dot(p.to(v.dtype), v_block, acc=acc * rescale[:, None])
             row_max = new_max
         denominator = torch.where(row_sum > 0, row_sum, 1.0)
         out[tile_s.id, bi, hi, tile_r, :] = (acc / denominator[:, None]).to(out.dtype)
@@ -119,14 +158,17 @@ def chunk_size(kv_len: int, split_kv: int) -> int:
 
 @functools.cache  # on every launch
 def default_config(batch_heads: int, rows: int, kv_len: int) -> helion.Config:
-    """Enough cache chunks for about :data:`TARGET_PROGRAMS` programs, 64-position blocks. Measured on the
-    H200 (rows 4, L 1024, D 128; batch x heads 8 / 64 / 256): 12.6 / 21.3 / 40.9 us, within 2% of the
-    best of 54 configs at each."""
+    """Enough cache chunks for about :data:`TARGET_PROGRAMS` programs, 64-position blocks, a chunk's mask read
+    in steps of up to :data:`MAX_SCAN_BLOCK`. Measured on the H200 (Qwen3-8B's GQA heads: 4 rows, L 1024,
+    D 128, every position kept; us by splits 1 / 2 / 4 / 8 / 16): batch 1 27.9 / 18.2 / 12.0 / 9.3 / 7.8,
+    batch 8 30.1 / 20.7 / 17.3 / 16.4 / 16.6, batch 32 40.4 / 39.2 / 42.1 / 43.5 / 44.6. This picks 16, 8
+    and 2 (the earlier target of 128 programs picked 2 at batch 8)."""
     split = 1
     while batch_heads * split * 2 <= TARGET_PROGRAMS and chunk_size(kv_len, split * 2) < chunk_size(kv_len, split):
         split *= 2
     block_r = max(16, 1 << (rows - 1).bit_length())
-    return helion.Config(block_sizes=[CHUNK_ALIGN, block_r], split_kv=split, num_warps=4, num_stages=2)
+    block_scan = min(MAX_SCAN_BLOCK, 1 << (chunk_size(kv_len, split) - 1).bit_length())
+    return helion.Config(block_sizes=[CHUNK_ALIGN, block_scan, block_r], split_kv=split, num_warps=4, num_stages=2)
 
 
 class AttentionSignature(NamedTuple):
@@ -138,6 +180,8 @@ class AttentionSignature(NamedTuple):
     bias: Layout | None
     keep: Layout | None
     out: Layout
+    skip_reads: bool  # a boolean mask whose fill drops masked positions out: they are not read
+    finite_fill: bool  # ... and that fill is finite: a row that keeps none of a chunk attends to all of it
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> None:
@@ -212,8 +256,11 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     splits = helion.cdiv(kv_len, chunk_size(kv_len, config.get("split_kv", 1)))
     target = out.unsqueeze(0) if splits == 1 else q.new_empty((splits, b, h, r, d), dtype=torch.float32)
     lse = q.new_empty((splits, b, h, r), dtype=torch.float32)
-    sig = AttentionSignature(*(None if t is None else Layout.of(t) for t in (q, k, v, bias, keep, out)))
-    args = (q, k, v, bias, keep, scale, masked_bias, target, lse)
+    skip_reads = keep is not None and masked_bias <= SKIP_READS_FILL
+    finite_fill = skip_reads and math.isfinite(masked_bias)
+    layouts = (None if t is None else Layout.of(t) for t in (q, k, v, bias, keep, out))
+    sig = AttentionSignature(*layouts, skip_reads, finite_fill)
+    args = (q, k, v, bias, keep, scale, masked_bias, skip_reads, finite_fill, target, lse)
     compiled_kernel(decode_attention_kernel, args, sig, config, splits)(*args)
     if splits > 1:
         combine_args = (target, lse, out)
