@@ -656,7 +656,8 @@ def summary_section(metadata: dict, rows: Sequence[dict]) -> list[str]:
 
 def markdown(metadata: dict, rows: Sequence[dict]) -> str:
     variants = metadata["variants"]
-    lines = [f"# GEMM + epilogue benchmark: {metadata['device']}, {metadata['dtype']}", ""]
+    suite = f"quantized linears, {metadata['dtype']} activations" if metadata.get("quants") else metadata["dtype"]
+    lines = [f"# GEMM + epilogue benchmark: {metadata['device']}, {suite}", ""]
     lines += [f"- {key}: `{metadata.get(key)}`" for key in MARKDOWN_METADATA]
     lines += [f"- merged from: `{command}`" for command in metadata.get("merged_from", [])]
     lines += [
