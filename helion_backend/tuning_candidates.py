@@ -16,7 +16,7 @@ import torch
 
 from .kernels.configs import PREQUANTIZE
 from .kernels.gemm import glu_kernel_config
-from .tuning_problems import QUANT_FORMAT_OF, TuneKey
+from .tuning_problems import QUANT_FORMAT_OF, TuneKey, quantizes_its_rows
 from .vocabulary import (
     FP8_BLOCK,
     FP8_BLOCK_FAMILY,
@@ -116,17 +116,20 @@ def candidate_configs(m: int, n: int, candidates: Sequence[Candidate] = CANDIDAT
     ]
 
 
-def quant_candidates(kernel: str, m: int, n: int) -> list[helion.Config]:
-    """A quantized family's candidates: int4's and block fp8's own K blocks; the one-byte deep tiles for the rest."""
-    if kernel == INT4_FAMILY:
+def quant_candidates(key: TuneKey) -> list[helion.Config]:
+    """A quantized family's candidates: int4's and block fp8's own K blocks; the one-byte deep tiles for the
+    rest. A site that quantizes its own rows also tries each with ``prequantize`` (the rows quantized once, by
+    a kernel of their own), and the deep tiles only so, as that won every such fp8 and int8 key; for any other
+    site the key would change nothing, and each config is timed once."""
+    m, n = key.m, key.n
+    if key.kernel == INT4_FAMILY:
         return candidate_configs(m, n, INT4_CANDIDATES)
-    if kernel == FP8_BLOCK_FAMILY:
+    if key.kernel == FP8_BLOCK_FAMILY:
         return candidate_configs(m, n, BLOCK_FP8_CANDIDATES)
-    candidates = candidate_configs(m, n, QUANT_CANDIDATES)
-    if kernel == "gemm_weight_only":  # no activation quantization, so no scales to move
-        return candidates + candidate_configs(m, n, ONE_BYTE_CANDIDATES)
-    # The deep tiles only with the rows quantized first, which won every fp8 and int8 key so far.
-    return candidates + candidate_configs(m, n, QUANT_CANDIDATES + ONE_BYTE_CANDIDATES, **{PREQUANTIZE: True})
+    if not quantizes_its_rows(key):
+        return candidate_configs(m, n, QUANT_CANDIDATES + ONE_BYTE_CANDIDATES)
+    return candidate_configs(m, n, QUANT_CANDIDATES) + candidate_configs(
+        m, n, QUANT_CANDIDATES + ONE_BYTE_CANDIDATES, **{PREQUANTIZE: True})
 
 
 def glu_candidates(m: int, n: int) -> list[helion.Config]:
@@ -146,5 +149,5 @@ def candidates_for(key: TuneKey) -> list[helion.Config]:
         candidates = candidate_configs(key.m, key.n, CANDIDATES + (ONE_BYTE_CANDIDATES if one_byte else ()))
         return [c for c in candidates if c["split_k"] == 1]
     if key.kernel in QUANT_FORMAT_OF:
-        return quant_candidates(key.kernel, key.m, key.n)
+        return quant_candidates(key)
     return candidate_configs(key.m, key.n)

@@ -306,6 +306,13 @@ def _float_problem(key: TuneKey, device: torch.device) -> Problem:
     )
 
 
+def quantizes_its_rows(key: TuneKey) -> bool:
+    """Whether ``key``'s site quantizes its activation in the kernel (its prologue holds fp8's or int8's dynamic
+    quantization, option ``fuse_activation_quant``). Only such a site reads ``prequantize``: the default site
+    runs the plain GEMM on rows Inductor quantized."""
+    return bool(set(key.prologue) & set(ACTIVATION_QUANT_STEPS.values()))
+
+
 def _current(key: TuneKey, device: torch.device) -> helion.Config:
     """The config the backend runs at ``key`` today (the shipped table's, else the default)."""
     return configs.config_for(key.m, key.k, key.n, RULE_DTYPES[key.dtype], device, kernel=key.kernel)
@@ -379,7 +386,7 @@ def _quantized_problem(key: TuneKey, device: torch.device) -> Problem:
     family_quantizes = set(KERNEL_FAMILIES[key.kernel].prologue) & set(ACTIVATION_QUANT_STEPS.values())
     quant_step = next(iter(family_quantizes), None)  # fp8's and int8's dynamic activation quantization
     # Without it (the default compile's site), the kernel reads rows quantized before the call, as Inductor does.
-    prequantized = quant_step is not None and quant_step not in key.prologue
+    prequantized = quant_step is not None and not quantizes_its_rows(key)
     act_dtype = SUPPORTED_DTYPES.get(key.dtype, SUPPORTED_DTYPES[QUANT_ACTIVATION_DTYPE])
     bias = "bias" in key.epilogue
     first = _quantized_layer(key.kernel, key.k, key.n, bias, device, act_dtype)

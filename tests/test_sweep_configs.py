@@ -79,6 +79,27 @@ def test_every_swept_family_has_candidates_at_every_key():
             assert candidates_for(key), key
 
 
+@pytest.mark.parametrize("kernel", ["gemm_fp8", "gemm_int8"])
+def test_prequantize_is_tried_only_where_the_site_quantizes_its_rows(kernel):
+    """On rows Inductor quantized (the default), the wrapper ignores ``prequantize``: each config is timed once.
+    A site that quantizes its own rows (``fuse_activation_quant``) tries both, the deep one-byte tiles quantized first."""
+    from dataclasses import replace
+
+    from helion_backend.kernels.configs import PREQUANTIZE
+    from helion_backend.vocabulary import ACTIVATION_QUANT_STEPS
+
+    default = sweep.sweep_keys(kernel, ["qwen3_8b"], [8])[0]
+    plain = candidates_for(default)
+    assert not any(PREQUANTIZE in c for c in plain) and len(set(plain)) == len(plain)
+    assert any(c["block_sizes"][2] == 1024 for c in plain)  # the one-byte tiles
+    fused = candidates_for(replace(default, prologue=(ACTIVATION_QUANT_STEPS[torch.float8_e4m3fn if kernel ==
+                                                                          "gemm_fp8" else torch.int8],)))
+    quantized_first = [c for c in fused if c.get(PREQUANTIZE)]
+    assert {helion.Config(**{k: v for k, v in c.items() if k != PREQUANTIZE}) for c in quantized_first} == set(plain)
+    assert [c for c in fused if not c.get(PREQUANTIZE)] and all(
+        c["block_sizes"][2] < 1024 for c in fused if not c.get(PREQUANTIZE))
+
+
 def test_the_suites_manifest_expands_in_the_tune_command_to_the_keys_the_script_sweeps(tmp_path, capsys):
     path = tmp_path / "suites.json"
     sweep.main(["--kernel", "all", "--write-manifest", str(path)])
