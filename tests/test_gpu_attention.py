@@ -49,6 +49,23 @@ def test_decode_attention_kernel_matches_float64(batch, rows, kv_len, head_dim, 
     assert rel_err(out, ref) <= TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("batch", [1, 8, 32])
+def test_a_static_cache_is_not_read_past_each_sequence(batch):
+    """Qwen3-8B's heads over a 1024-position cache whose positions past each sequence's length hold NaN (never
+    written): with a boolean mask (fill -inf) no chunk reads them, at the default splits of each batch."""
+    from helion_backend.kernels.attention import decode_attention_helion
+
+    q = torch.randn(batch, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, 8, 1024, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lengths = torch.randint(1, 1025, (batch,), device="cuda")
+    keep = (torch.arange(1024, device="cuda")[None, :] < lengths[:, None]).view(batch, 1, 1, 1024)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=keep, enable_gqa=True)
+    past = ~keep.view(batch, 1, 1024, 1).expand(batch, 8, 1024, 128)
+    k, v = k.masked_fill(past, float("nan")), v.masked_fill(past, float("nan"))
+    out = decode_attention_helion(q, k, v, keep)
+    assert not out.isnan().any() and rel_err(out, ref) <= TOLERANCE[torch.bfloat16]
+
+
 @pytest.mark.parametrize("batch", [1, 8])
 def test_grouped_query_heads_match_float64(batch):
     """Qwen3-8B's heads as Hugging Face passes them (32 query heads of one row over 8 key/value heads): a
