@@ -641,7 +641,9 @@ def test_decode_attention_does_not_read_positions_no_row_keeps(split_kv, masked_
     for t in (k, v):  # what no row keeps holds NaN
         t[0, :, 70:] = float("nan")
         t[1, :, 131:] = float("nan")
-    keep[1, 0, 1] = False  # keeps nothing: only batch 1's cache past 131 holds NaN, which a finite fill reads
+    # Row 1 of (batch 1, head 0) keeps nothing: with a finite fill its program reads that head's whole cache,
+    # which therefore holds numbers.
+    keep[1, 0, 1] = False
     k[1, 0, 131:], v[1, 0, 131:] = torch.randn(kv_len - 131, 16), torch.randn(kv_len - 131, 16)
     config = helion.Config(block_sizes=[32, 64, 16], split_kv=split_kv, num_warps=4, num_stages=1)
     out = decode_attention_helion(q, k, v, keep, config=config, masked_bias=masked_bias)
