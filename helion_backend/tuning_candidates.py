@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import helion
 import torch
 
-from .kernels.configs import PREQUANTIZE
+from .kernels.configs import NUM_SMS, PREQUANTIZE
 from .kernels.gemm import glu_kernel_config
 from .tuning_problems import QUANT_FORMAT_OF, TuneKey, quantizes_its_rows
 from .vocabulary import (
@@ -103,7 +103,7 @@ BLOCK_FP8_CANDIDATES = tuple(
                              (16, 32, 4, 3, 4), (16, 128, 8, 3, 2), (32, 64, 4, 3, 1), (32, 128, 8, 3, 1))
 )
 # Splits beyond this many CTAs only add partial sums to write and read back.
-MAX_SPLIT_CTAS = 4 * 132
+MAX_SPLIT_CTAS = 4 * NUM_SMS
 
 
 def candidate_configs(m: int, n: int, candidates: Sequence[Candidate] = CANDIDATES,

@@ -427,7 +427,7 @@ def _quantized_problem(key: TuneKey, device: torch.device) -> Problem:
                                   lambda i: (layers[i % copies], inputs[i % copies], extra[i % copies])),
         current=current,
         epilogue=key.epilogue,
-        searched={**split, PREQUANTIZE: (False, True)} if quant_step is not None and not prequantized else split,
+        searched={**split, PREQUANTIZE: (False, True)} if quantizes_its_rows(key) else split,
         # A pre-quantized site never quantizes: its entry keeps today's prequantize for the sites that do.
         to_table=lambda config: helion.Config(**{**config, **keep_prequantize}),
     )

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 # Measured configs, one JSON file per GPU (`python -m helion_backend tune --effort sweep --table ...` writes them).
 TUNED_DIR = Path(__file__).resolve().parent / "tuned"
 
-_NUM_SMS = 132  # H200
+NUM_SMS = 132  # H200: split-K grids are sized by it (the default configs and the tuner's candidates)
 _DECODE_MAX_M = 32
 # Each split must still run a few K blocks, or its atomic adds and the extra epilogue pass cost more
 # than the parallelism gains.
@@ -57,7 +57,7 @@ def split_k_choices(k: int) -> list[int]:
 
 def _split_k(m_tiles: int, n_tiles: int, k: int) -> int:
     """The largest choice that keeps the grid within one wave of SMs."""
-    return max(s for s in split_k_choices(k) if s == 1 or m_tiles * n_tiles * s <= _NUM_SMS)
+    return max(s for s in split_k_choices(k) if s == 1 or m_tiles * n_tiles * s <= NUM_SMS)
 
 
 @functools.cache  # called on every kernel launch without an explicit config
