@@ -20,6 +20,15 @@ HELION_TUNE_EFFORTS = ("quick", "full")
 TUNE_EFFORTS = (SWEEP_EFFORT, *HELION_TUNE_EFFORTS)
 DEFAULT_TUNE_EFFORT = "quick"
 DEFAULT_TUNE_BUDGET_S = 300  # seconds of autotuning per key
+# The sweep's compile workers (``tune --jobs``): half the CPUs, as each Triton compile takes one and the main
+# process and the workers' Python want some too; at most 8, as each holds a CUDA context and torch in memory.
+MAX_DEFAULT_TUNE_JOBS = 8
+
+
+def default_tune_jobs() -> int:
+    """``tune --jobs`` by default: half this process's CPUs, between 1 and :data:`MAX_DEFAULT_TUNE_JOBS`."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_DEFAULT_TUNE_JOBS, cpus // 2))
 
 
 def _default_cache_dir() -> str:

@@ -25,6 +25,10 @@ quantized ones. For each key, with the key's :class:`~.tuning_problems.Problem`,
    to the user table ``<cache_dir>/configs/<gpu>.json`` or ``--table`` (the shipped table's format) before
    the next key starts.
 
+With ``--jobs N`` the sweep compiles ahead: worker processes run the next keys' candidates and fallback once
+(:mod:`.tuning_warmup`), then this process times those keys one by one on an idle GPU, finding the compiles
+in the caches the processes share.
+
 Keys already in the table are skipped unless ``--force``, so an interrupted run resumes where it
 stopped. Like the shipped table, the table is keyed by shape, not by prologue or epilogue: where sites of
 one shape differ, the one with the fused RMSNorm, then the longest epilogue, is tuned.
@@ -39,6 +43,7 @@ parameter of :func:`tune_all`, so the loop and the selection are tested without 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import io
@@ -64,13 +69,16 @@ from .options import (
     DEFAULT_TUNE_BUDGET_S,
     DEFAULT_TUNE_EFFORT,
     HELION_TUNE_EFFORTS,
+    MAX_DEFAULT_TUNE_JOBS,
     SWEEP_EFFORT,
     TUNE_EFFORTS,
     BackendOptions,
+    default_tune_jobs,
 )
 from .timing import Step, TimingConfig, relative_error, run_metadata, time_callable_us
 from .tuning_candidates import candidates_for
 from .tuning_problems import TOLERANCE, Output, Problem, Search, TuneError, TuneKey, build_problem
+from .tuning_warmup import pool_for
 from .vocabulary import DEFAULT_KERNEL_FAMILY
 
 log = logging.getLogger(__name__)
@@ -347,6 +355,10 @@ def eta(durations: Sequence[float], keys_left: int, budget_s: int | None) -> str
     return "unknown"
 
 
+# Compiles what timing keys will run, ahead of it; returns the keys it could not warm, each with the reason.
+Warm = Callable[[Sequence[TuneKey]], Sequence[str]]
+
+
 def tune_all(
     keys: Sequence[TuneKey],
     table: ConfigTable,
@@ -357,22 +369,33 @@ def tune_all(
     budget_s: int | None = None,
     progress: TextIO | None = None,
     clock: Callable[[], float] = time.monotonic,
+    warm: Warm | None = None,
+    batch_size: int = 1,
 ) -> Summary:
     """Tune every key not in ``table`` (every key with ``force``), writing each entry as soon as it is done.
-    A key that fails is reported and skipped; one line per key goes to ``progress`` (default: stderr)."""
+    A key that fails is reported and skipped; one line per key goes to ``progress`` (default: stderr).
+
+    With ``warm`` (the sweep's compile workers, :mod:`.tuning_warmup`), the keys to tune go in batches of
+    ``batch_size``: ``warm`` compiles a batch's keys and returns, then they are tuned one by one, so that no
+    compile competes with a timing. A key's time in the ETA includes its share of its batch's warm-up."""
     progress = progress or sys.stderr  # looked up now, not at import: callers (and pytest) may swap it
     summary = Summary()
-    keys_left = sum(force or key not in table for key in keys)
+    todo = [key for key in keys if force or key not in table]
+    keys_left = len(todo)
     durations: list[float] = []
+    warm_share: dict[TuneKey, float] = {}  # seconds of warm-up per key, of the keys warmed so far
 
-    def say(i: int, key: TuneKey, what: str) -> None:
-        print(f"[{i}/{len(keys)}] {key}: {what}", file=progress, flush=True)
+    def say(i: int, key: TuneKey | None, what: str) -> None:
+        print(f"[{i}/{len(keys)}] {'' if key is None else f'{key}: '}{what}", file=progress, flush=True)
 
     for i, key in enumerate(keys, 1):
         if not force and key in table:
             summary.skipped += 1
             say(i, key, "in the table already, skipped (--force retunes)")
             continue
+        if warm is not None and key not in warm_share:
+            batch = todo[len(todo) - keys_left:][:batch_size]
+            warm_share.update(_warm_batch(batch, warm, clock, functools.partial(say, i, None)))
         say(i, key, f"tuning; ETA {eta(durations, keys_left, budget_s)}")
         start = clock()
         try:
@@ -386,9 +409,27 @@ def tune_all(
             verdict = "Helion wins" if entry["helion_wins"] else "torch.compile wins"
             say(i, key, f"{entry['us']} us, torch.compile {entry['fallback_us']} us ({verdict}); "
                         f"{format_duration(clock() - start)}, saved")
-        durations.append(clock() - start)
+        durations.append(clock() - start + warm_share.get(key, 0.0))
         keys_left -= 1
     return summary
+
+
+def _warm_batch(batch: Sequence[TuneKey], warm: Warm, clock: Callable[[], float],
+                say: Callable[[str], None]) -> dict[TuneKey, float]:
+    """Warm ``batch`` (never failing: warming only saves the timing phase its compiles) and return each key's
+    share of the seconds it took."""
+    say(f"compiling the next {len(batch)} key(s) in parallel")
+    start = clock()
+    try:
+        failures = list(warm(batch))
+    except Exception as e:
+        failures = [f"the batch: {type(e).__name__}: {e}"]
+    seconds = clock() - start
+    for failure in failures:
+        log.warning("helion_inductor tune: not warmed: %s", failure)
+    not_warmed = f" ({len(failures)} not warmed: they compile when timed)" if failures else ""
+    say(f"compiled in {format_duration(seconds)}{not_warmed}")
+    return dict.fromkeys(batch, seconds / len(batch))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -472,7 +513,8 @@ family's kernel (gemm, gemm_glu, gemm_multi, gemm_fp8, gemm_int8, gemm_weight_on
 gemm_fp8_block and the quantized gemm_glu_*/gemm_multi_*), as --effort says:
 
   sweep   the family's fixed list of candidate configs (helion_backend/tuning_candidates.py), no search:
-          about 5-10 s a key on an H200; how the shipped tables are made (their keys' manifest:
+          about 5-10 s a key on an H200, mostly compiling, which --jobs worker processes do in parallel
+          ahead of the timing; how the shipped tables are made (their keys' manifest:
           python benchmarks/sweep_gemm_configs.py --kernel all --write-manifest PATH)
   quick   Helion's autotuner (its quick preset), seeded with today's config, within --budget-per-key
   full    the same with Helion's full preset
@@ -482,6 +524,8 @@ fallback under CUDA-graph replay, and writes the fastest to <cache_dir>/configs/
 right away, with the effort and the seconds the key took. Keys already there are skipped, so a stopped
 run resumes.
 """
+
+WARM_BATCH_PER_JOB = 2  # keys compiled per worker before their timing: fewer waits on the slowest worker
 
 EPILOG = ("exit status: 0 done, 1 some keys failed (see the log), 2 usage error or no CUDA device, "
           "130 interrupted (what was done is saved)")
@@ -500,14 +544,18 @@ def parse_num_tokens(text: str) -> tuple[int, ...]:
     return tuple(values)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
+def positive_int(what: str) -> Callable[[str], int]:
+    """An argparse type: a positive integer, or an error that says it is a number of ``what``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"expected a positive number of {what}, got {text!r}")
+        return value
+
+    return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -519,10 +567,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-tokens", type=parse_num_tokens, default=DEFAULT_NUM_TOKENS, metavar="M,M,...",
                         help="token counts to tune for sites compiled with a dynamic M, capped at each "
                              f"site's Helion limit (default: {','.join(map(str, DEFAULT_NUM_TOKENS))})")
-    parser.add_argument("--budget-per-key", type=_positive_int, default=DEFAULT_TUNE_BUDGET_S, metavar="SECONDS",
+    parser.add_argument("--budget-per-key", type=positive_int("seconds"), default=DEFAULT_TUNE_BUDGET_S,
+                        metavar="SECONDS",
                         help="autotuning time per key, shared by its split-K searches; validation and timing "
                              f"add a little; --effort {SWEEP_EFFORT} does not search and ignores it "
                              f"(default: {DEFAULT_TUNE_BUDGET_S})")
+    parser.add_argument("--jobs", type=positive_int("worker processes"), default=default_tune_jobs(), metavar="N",
+                        help=f"--effort {SWEEP_EFFORT}: N worker processes compile the candidate configs and "
+                             f"fallback of the next {WARM_BATCH_PER_JOB}N keys in parallel, into Triton's and "
+                             "Inductor's on-disk caches, then this process times those keys one by one on an "
+                             "otherwise idle GPU; 1 compiles each key in this process as it is timed; "
+                             f"{' and '.join(HELION_TUNE_EFFORTS)} ignore it (Helion's autotuner compiles in "
+                             f"parallel itself) (default: half the CPUs, at most {MAX_DEFAULT_TUNE_JOBS}: "
+                             f"{default_tune_jobs()} here)")
     parser.add_argument("--force", action="store_true", help="retune keys already in the table")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--cache-dir", type=Path,
@@ -580,12 +637,16 @@ def _tune(args: argparse.Namespace) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     path = table_path(args, device)
     table = ConfigTable.load(path, shlex.join(sys.orig_argv))
-    print(f"{len(keys)} key(s) from {args.manifest} -> {path} ({describe_effort(args.effort, args.budget_per_key)})",
-          file=sys.stderr)
+    jobs = args.jobs if args.effort == SWEEP_EFFORT else 1
+    workers = f", {jobs} compile workers" if jobs > 1 else ""
+    print(f"{len(keys)} key(s) from {args.manifest} -> {path} "
+          f"({describe_effort(args.effort, args.budget_per_key)}{workers})", file=sys.stderr)
     budget_s = search_budget(args.effort, args.budget_per_key)
     tune_one = functools.partial(tune_key, device=device, effort=args.effort, budget_s=budget_s)
-    summary = tune_all(keys, table, tune_one, functools.partial(table_metadata, device),
-                       force=args.force, budget_s=budget_s)
+    with pool_for(jobs, device) if jobs > 1 else contextlib.nullcontext() as pool:
+        summary = tune_all(keys, table, tune_one, functools.partial(table_metadata, device),
+                           force=args.force, budget_s=budget_s, warm=pool.warm if pool else None,
+                           batch_size=WARM_BATCH_PER_JOB * jobs)
     print(f"{summary.tuned} tuned, {summary.skipped} skipped, {len(summary.failed)} failed -> {path}",
           file=sys.stderr)
     for failure in summary.failed:

@@ -156,11 +156,11 @@ class FakeClock:
         return self.now
 
 
-def run_loop(table_path, keys, tune_one, *, force=False, budget_s=None, clock=None):
+def run_loop(table_path, keys, tune_one, *, force=False, budget_s=None, clock=None, **options):
     progress = io.StringIO()
     table = ConfigTable.load(table_path, "python -m helion_backend tune m.json")
     summary = tuning.tune_all(keys, table, tune_one, lambda: {"device": "test"}, force=force, budget_s=budget_s,
-                              progress=progress, clock=clock or FakeClock())
+                              progress=progress, clock=clock or FakeClock(), **options)
     return summary, progress.getvalue().splitlines()
 
 
@@ -541,6 +541,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(configs, "gpu_key", lambda device: "test_gpu")
     monkeypatch.setattr(tuning, "table_metadata", lambda device: {"device": "test"})
     monkeypatch.setattr(tuning, "tune_key", lambda key, **kwargs: fake_entry(key))
+    monkeypatch.setattr(tuning, "default_tune_jobs", lambda: 1)  # --jobs: tests/test_tuning_warmup.py
 
 
 def test_table_option_writes_that_file_with_the_command_history(manifest, tmp_path, fake_gpu, capsys):
