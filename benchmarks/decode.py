@@ -25,6 +25,10 @@ What each row measures (one row per format, batch and variant):
 
 - ``wall_us``: median over ``--steps`` steps (after ``--warmup`` steps) of the host wall time of one
   step followed by ``torch.cuda.synchronize()``: what a serving loop waits for, host overhead included.
+  Once every variant of a format and batch is measured, they take turns (``WALL_ROUNDS`` rounds, in a
+  rotating order, each after one untimed step), so that the machine's drift over the minutes between two
+  variants (its host time varies by a few hundred µs from one minute to the next) weighs on each alike;
+  ``wall_method`` says whether a row's figure is ``interleaved`` or, where that phase failed, ``alone``.
 - ``gpu_us``: the device time of one step. ``eager``: the step captured ``CALLS_PER_GRAPH`` times into
   one ``torch.cuda.CUDAGraph``, the median replay time (CUDA events) divided by the calls, as
   :mod:`helion_backend.timing` times kernels. The compiled variants run their own CUDA graphs (Inductor's
@@ -386,15 +390,36 @@ def model_step(fn: Callable[..., torch.Tensor], variant: str) -> Callable[[torch
     return step
 
 
-def wall_us(step: Callable[[], object], steps: int, device: torch.device) -> float:
-    """Median host wall time of one step followed by a device synchronization, in microseconds."""
+def wall_samples(step: Callable[[], object], steps: int, device: torch.device) -> list[float]:
+    """The host wall time of each of ``steps`` steps, each followed by a device synchronization, in µs."""
     samples = []
     for _ in range(steps):
         start = time.perf_counter()
         step()
         synchronize(device)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e6
+        samples.append((time.perf_counter() - start) * 1e6)
+    return samples
+
+
+def wall_us(step: Callable[[], object], steps: int, device: torch.device) -> float:
+    """Median host wall time of one step followed by a device synchronization, in microseconds."""
+    return statistics.median(wall_samples(step, steps, device))
+
+
+def interleaved_wall_us(steps: Mapping[str, Callable[[], object]], total_steps: int, rounds: int,
+                        device: torch.device) -> dict[str, float]:
+    """Median wall time of one step of each variant (:func:`wall_samples`), the variants taking turns in
+    ``rounds`` rounds of ``total_steps / rounds`` steps each, in an order rotated every round. Each turn starts
+    with one untimed step: switching between two functions' cudagraph trees is not what a serving loop does."""
+    names = list(steps)
+    per_turn = max(1, total_steps // rounds)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            steps[name]()
+            synchronize(device)
+            samples[name] += wall_samples(steps[name], per_turn, device)
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 _SPIN_CYCLES_PER_US: dict[int, float] = {}
@@ -441,6 +466,7 @@ class RowResult:
     """One variant on one format and batch; fields stay None past the step that failed."""
 
     wall_us: float | None = None
+    wall_method: str | None = None  # "interleaved" with the batch's other variants, or "alone"
     gpu_us: float | None = None
     gpu_method: str | None = None
     rel_err: float | None = None
@@ -506,24 +532,28 @@ def cudagraph_skip_messages() -> Iterator[list[str]]:
 
 
 def measure_variant(variant: str, model: Decoder, inputs: DecodeInputs, refs: References,
-                    plan: Plan, device: torch.device) -> RowResult:
-    """Compile, check and time one variant; a failure is recorded, not raised, so the run goes on."""
+                    plan: Plan, device: torch.device) -> tuple[RowResult, Callable[[], torch.Tensor] | None]:
+    """Compile, check and time one variant; a failure is recorded, not raised, so the run goes on. Returns
+    the row and, unless it failed, its timed step, which stays compiled (for :func:`interleaved_wall_us`)
+    until the caller's :func:`release_memory`."""
     result = RowResult()
+    timed = None
     with cudagraph_skip_messages() as skip_messages:
         try:
-            _measure_into(result, variant, model, inputs, refs, plan, device)
+            timed = _measure_into(result, variant, model, inputs, refs, plan, device)
         except Exception as exc:  # any failure of a variant is a result of the benchmark
             traceback.print_exc()
             result.error = describe_error(exc)
     result.cudagraph_skip_reasons = skip_messages or None
-    return result
+    return result, timed
 
 
 def _measure_into(result: RowResult, variant: str, model: Decoder, inputs: DecodeInputs, refs: References,
-                  plan: Plan, device: torch.device) -> None:
+                  plan: Plan, device: torch.device) -> Callable[[], torch.Tensor]:
     from torch._dynamo.utils import counters
 
-    torch._dynamo.reset()
+    # No torch._dynamo.reset() here: the batch's earlier variants stay compiled for the interleaved wall
+    # times; each torch.compile has its own backend, which Dynamo's cache entries are guarded on.
     counters.clear()
     if variant == HELION:
         import_helion_backend().clear_reports()
@@ -549,12 +579,13 @@ def _measure_into(result: RowResult, variant: str, model: Decoder, inputs: Decod
         for _ in range(plan.warmup):  # cudagraph trees warm up, then record, then replay
             timed()
         synchronize(device)
-        result.wall_us = wall_us(timed, plan.steps, device)
+        result.wall_us, result.wall_method = wall_us(timed, plan.steps, device), "alone"
         if device.type == "cuda":
             _gpu_time(result, variant, timed, refs, plan)
         # After timing: the step at context, then new tokens at context + 1.
         check(result, inputs.run_both(step), refs)
     result.cudagraph_skips = counters["inductor"]["cudagraph_skips"]
+    return timed
 
 
 def _gpu_time(result: RowResult, variant: str, timed: Callable[[], torch.Tensor], refs: References,
@@ -658,6 +689,8 @@ def row_cells(row: dict) -> list[str]:
                            + (f" ({reasons[0].splitlines()[0][:120]})" if reasons else ""))
     if row["helion_sites"]:
         diagnostics.append(row["helion_sites"])
+    if row["wall_us"] is not None and row.get("wall_method") != "interleaved":
+        diagnostics.append("wall alone")  # measured in a block of its own (runs before the turns, or a failed turn)
     return [str(row["batch"]), row["variant"], format_number(row["wall_us"], ".1f"),
             format_number(row["gpu_us"], ".1f"), err, status, format_number(row["compile_s"], ".1f"),
             "; ".join(diagnostics) or "-"]
@@ -783,7 +816,10 @@ PRESETS = {
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SMOKE_DIR = Path(tempfile.gettempdir()) / "decode_smoke"
 
-WALL_METHOD = "median over the timed steps of the host wall time of one step + torch.cuda.synchronize()"
+WALL_ROUNDS = 10  # turns each variant of a batch takes in the interleaved wall timing
+WALL_METHOD = ("median over the timed steps of the host wall time of one step + torch.cuda.synchronize(); the "
+               f"variants of one format and batch take turns, {WALL_ROUNDS} rounds of steps / {WALL_ROUNDS} "
+               "steps each in a rotating order (a row's wall_method: interleaved), else alone")
 GPU_METHOD = (f"eager: {CALLS_PER_GRAPH} steps captured in one torch.cuda.CUDAGraph, median replay time "
               "(CUDA events) / steps; compiled variants (their own cudagraph trees): CUDA events around one "
               "step queued behind a spin kernel longer than the step's wall time, median over the timed steps")
@@ -935,19 +971,28 @@ def run(plan: Plan, out_dir: Path, budget_s: float) -> Path:
                     base_refs = eager_references(base, inputs)
                     base.allocate_cache(1, 1, plan.seed)  # drop the large cache
                 refs = References(eager_references(model, inputs), base_refs)
+                batch_rows: dict[str, dict] = {}
+                timed_steps: dict[str, Callable[[], torch.Tensor]] = {}
                 for variant in plan.variants:
                     if over_budget():
                         break
-                    result = measure_variant(variant, model, inputs, refs, plan, device)
+                    result, timed = measure_variant(variant, model, inputs, refs, plan, device)
+                    if timed is not None:
+                        timed_steps[variant] = timed
                     if variant == HELION and fmt not in metadata["helion_reports"] and result.helion_sites:
                         summaries = [r.summary() for r in import_helion_backend().get_reports()]
                         metadata["helion_reports"][fmt] = summaries
                         print(f"{HELION} report, {fmt}, batch {batch}:", *summaries, sep="\n", flush=True)
                     rows.append(make_row(fmt, batch, variant, result))
+                    batch_rows[variant] = rows[-1]
                     done += 1
                     write_results(out_dir, metadata, rows)
                     print(progress_line(rows[-1], done, len(cases), time.monotonic() - started), flush=True)
-                    release_memory(device)
+                if len(timed_steps) > 1:
+                    interleave_wall_times(batch_rows, timed_steps, plan, device)
+                    write_results(out_dir, metadata, rows)
+                del timed_steps
+                release_memory(device)
             if model is not base:
                 del model
                 release_memory(device)
@@ -961,8 +1006,24 @@ def run(plan: Plan, out_dir: Path, budget_s: float) -> Path:
     return json_path
 
 
+def interleave_wall_times(rows: Mapping[str, dict], timed_steps: Mapping[str, Callable[[], torch.Tensor]],
+                          plan: Plan, device: torch.device) -> None:
+    """Replace the wall times the variants of one batch got alone by :func:`interleaved_wall_us`; should that
+    phase fail (a recompile, say), the rows keep theirs, marked ``alone``."""
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            walls = interleaved_wall_us(timed_steps, plan.steps, WALL_ROUNDS, device)
+    except Exception:
+        traceback.print_exc()
+        print("interleaved wall times failed: each row keeps the wall time it got alone", flush=True)
+        return
+    for variant, wall in walls.items():
+        rows[variant].update(wall_us=wall, wall_method="interleaved")
+    print("wall µs, interleaved: " + ", ".join(f"{v} {w:.1f}" for v, w in walls.items()), flush=True)
+
+
 def release_memory(device: torch.device) -> None:
-    """Drop the last variant's compiled graphs and CUDA-graph pools before the next one."""
+    """Drop the batch's compiled graphs and CUDA-graph pools before the next one."""
     torch._dynamo.reset()
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -6,7 +6,9 @@ Builds the model of ``benchmarks/decode.py`` (same shapes, weights and cache), c
 that benchmark does, warms it up (cudagraph trees record, then replay), and runs ``--steps`` steps under
 ``torch.profiler``. The table lists the kernels by GPU time per step, so that two variants can be put
 side by side kernel by kernel; ``--timeline`` adds the kernels of one step in launch order (which GEMM
-ran where). The output goes to stdout and, with ``--out``, to a text file.
+ran where); ``--host`` adds the host side of a step (time until the call returns, CUDA API calls, host
+events), which the benchmark's wall time adds to the GPU time. The output goes to stdout and, with
+``--out``, to a text file.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -36,6 +40,7 @@ from benchmarks.decode import (  # noqa: E402
     make_format_model,
     model_step,
     release_memory,
+    spin_cycles_per_us,
 )
 
 
@@ -51,6 +56,32 @@ def kernel_table(variant: str, step, steps: int, top: int) -> list[str]:
     lines = [f"== {variant}: {total_us:.1f} us of kernels per step, {len(kernels)} distinct kernels"]
     for e in kernels[:top]:
         lines.append(f"{e.device_time_total / steps:9.1f} us {e.count / steps:5.1f}x  {e.key[:110]}")
+    return lines
+
+
+def host_table(variant: str, step, steps: int, top: int) -> list[str]:
+    """Where a step's host time goes: the median time until ``step()`` returns (the GPU's queue kept busy
+    by a spin kernel, so that no launch waits on the GPU), the CUDA API calls per step and the ``top``
+    host events by self time. A cudagraph-tree replay should be one graph launch and little Python."""
+    torch.cuda._sleep(int(spin_cycles_per_us(torch.device("cuda")) * 2000 * steps))
+    samples = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        samples.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+    api = sorted((e for e in events if e.key.startswith(("cuda", "cu"))), key=lambda e: -e.count)
+    lines = [f"== {variant}: host {statistics.median(samples) * 1e6:.1f} us per step until the call returns; "
+             "CUDA API calls per step: "
+             + (", ".join(f"{e.key} {e.count / steps:.1f}" for e in api) or "none")]
+    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    for e in events[:top]:
+        lines.append(f"{e.self_cpu_time_total / steps:9.1f} us self {e.count / steps:5.1f}x  {e.key[:110]}")
     return lines
 
 
@@ -76,6 +107,8 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--timeline", action="store_true", help="also list one step's kernels in order")
+    parser.add_argument("--host", action="store_true",
+                        help="also time the host side of a step and list its CUDA API calls and host events")
     parser.add_argument("--out", type=Path, help="also write the tables to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -97,6 +130,8 @@ def main(argv: Sequence[str]) -> None:
             lines += kernel_table(variant, run_step, args.steps, args.top)
             if args.timeline:
                 lines += kernel_timeline(variant, run_step)
+            if args.host:
+                lines += host_table(variant, run_step, args.steps, args.top)
             release_memory(device)
     print("\n".join(lines))
     if args.out:

@@ -98,6 +98,7 @@ def test_smoke_run_writes_every_row_within_tolerance(tmp_path):
     for key, row in rows.items():
         assert row["error"] is None, (key, row["error"])
         assert row["wall_us"] > 0 and row["gpu_us"] is None, key
+        assert row["wall_method"] == "interleaved", key  # eager and helion_inductor took turns
         if row["variant"] == decode.HELION:
             assert row["rel_err"] <= decode.TOLERANCES[row["format"]], (key, row["rel_err"])
             assert row["compile_s"] > 0 and row["graphs"] == 1 and row["graph_breaks"] == 0, key
@@ -115,3 +116,27 @@ def test_smoke_run_writes_every_row_within_tolerance(tmp_path):
 
     table = (out_dir / "cpu_decode.md").read_text()
     assert "## Summary" in table and all(f"## {fmt} " in table for fmt in plan.formats)
+
+
+def test_interleaved_wall_times_rotate_the_variants_and_skip_each_turns_first_step():
+    calls = []
+    steps = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+    walls = decode.interleaved_wall_us(steps, total_steps=6, rounds=3, device=torch.device("cpu"))
+    assert set(walls) == {"a", "b", "c"} and all(w > 0 for w in walls.values())
+    # Each turn: one untimed step, then 6 / 3 = 2 timed ones; the order rotates by one every round.
+    turns = ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert calls == [name for name in turns for _ in range(3)]
+
+
+def test_a_failed_interleaving_keeps_the_wall_times_measured_alone():
+    rows = {v: {"wall_us": 5.0, "wall_method": "alone"} for v in ("eager", decode.HELION)}
+
+    def broken() -> None:
+        raise RuntimeError("recompiled")
+
+    steps = {"eager": lambda: None, decode.HELION: broken}
+    decode.interleave_wall_times(rows, steps, decode.PRESETS["smoke"], torch.device("cpu"))
+    assert rows == {v: {"wall_us": 5.0, "wall_method": "alone"} for v in ("eager", decode.HELION)}
+    steps[decode.HELION] = lambda: None
+    decode.interleave_wall_times(rows, steps, decode.PRESETS["smoke"], torch.device("cpu"))
+    assert all(row["wall_method"] == "interleaved" and row["wall_us"] != 5.0 for row in rows.values())
