@@ -2,8 +2,9 @@
 
 Every case is one linear layer of Qwen3-8B or Qwen3-32B, ``F.linear`` followed by one epilogue, at one
 static number of tokens M. Each variant compiles the same module once per case and is timed by the GPU
-time of a CUDA-graph replay (median), next to the floor set by the measured memory bandwidth and matmul
-rate, with its output checked against a float64 reference.
+time of a CUDA-graph replay (median; the variants of a case replay in turns, so that the GPU's drift over a
+case weighs on each alike), next to the floor set by the measured memory bandwidth and matmul rate, with
+its output checked against a float64 reference.
 
 Typical use on the GPU machine (one call of at most ten minutes)::
 
@@ -54,12 +55,13 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 from benchmarks.common import (
     Ceilings,
+    CapturedCalls,
     TimingConfig,
     capture_calls,
     copies_to_defeat_l2,
     device_tag,
     measure_ceilings,
-    median_replay_ms,
+    median_replays_ms,
     merged_metadata,
     metadata_union,
     read_result_files,
@@ -358,15 +360,18 @@ def synchronize(device: torch.device) -> None:
 
 def measure_variant(
     variant: str, workload: Workload, timing: TimingConfig, device: torch.device
-) -> VariantResult:
-    """Compile, check and time one variant; a failure is recorded, not raised, so the run goes on."""
+) -> tuple[VariantResult, CapturedCalls | None]:
+    """Compile and check one variant, and time it on a CPU; on a GPU, return its captured calls, which
+    :func:`run_case` times in turns with the other variants'. A failure is recorded, not raised, so the run
+    goes on."""
     result = VariantResult()
+    captured = None
     try:
-        _measure_into(result, variant, workload, timing, device)
+        captured = _measure_into(result, variant, workload, timing, device)
     except Exception as exc:  # any failure of a variant is a result of the benchmark
         traceback.print_exc()
         result.error = describe_error(exc)
-    return result
+    return result, captured
 
 
 def describe_error(exc: BaseException, limit: int = 2000) -> str:
@@ -383,8 +388,9 @@ def describe_error(exc: BaseException, limit: int = 2000) -> str:
 
 def _measure_into(
     result: VariantResult, variant: str, workload: Workload, timing: TimingConfig, device: torch.device
-) -> None:
-    """Compile the variant afresh (the first call's time is its compile time), then check and time it."""
+) -> CapturedCalls | None:
+    """Compile the variant afresh (the first call's time is its compile time), then check it and capture
+    (GPU) or time (CPU) it."""
     torch._dynamo.reset()
     fns = [compile_variant(variant, module, device) for module in workload.modules]
     if variant == HELION:
@@ -402,17 +408,18 @@ def _measure_into(
     # All copies share the graph compiled for copy 0 (parameters are graph inputs): a recompile from
     # here on would mean they do not, and cost one compile per copy, so make it an error.
     with torch._dynamo.config.patch(error_on_recompile=True):
-        _check_and_time(result, workload, step, timing, device)
+        return _check_and_capture(result, workload, step, timing, device)
 
 
-def _check_and_time(
+def _check_and_capture(
     result: VariantResult,
     workload: Workload,
     step: Callable[[int], torch.Tensor],
     timing: TimingConfig,
     device: torch.device,
-) -> None:
-    """Error against float64 on fresh inputs, then the time; on a GPU also the error of a timed replay."""
+) -> CapturedCalls | None:
+    """Error against float64 on fresh inputs; then on a CPU the time, on a GPU the captured calls and the
+    error of their replay (the launches that will be timed)."""
     # Fresh inputs for every check: the variant must compute the function, not replay one answer.
     workload.refresh_inputs(0)
     result.rel_err = workload.error_of(step(0), 0)
@@ -421,14 +428,14 @@ def _check_and_time(
     timing = dataclasses.replace(timing, warmup_calls=max(timing.warmup_calls, len(workload.modules)))
     if device.type != "cuda":
         result.time_us = time_wallclock_us(step, timing)
-        return
+        return None
     captured = capture_calls(step, timing)
-    result.time_us = median_replay_ms(captured.graph, timing) * 1e3 / timing.calls_per_graph
-    # Check the launches that were timed: new inputs for copy 0, one replay, compare the first call.
+    # Check the launches that will be timed: new inputs for copy 0, one replay, compare the first call.
     workload.refresh_inputs(0)
     captured.graph.replay()
     synchronize(device)
     result.rel_err = worst_error(result.rel_err, workload.error_of(captured.outputs[0], 0))
+    return captured
 
 
 def run_case(
@@ -441,8 +448,13 @@ def run_case(
 ) -> dict[str, object]:
     """One result row: every variant's time, error and compile time, and the case's floors."""
     workload = Workload.build(case, copies, device)
-    results = {variant: measure_variant(variant, workload, timing, device) for variant in variants}
-    del workload
+    measured = {variant: measure_variant(variant, workload, timing, device) for variant in variants}
+    results = {variant: result for variant, (result, _) in measured.items()}
+    graphs = {variant: captured.graph for variant, (_, captured) in measured.items() if captured is not None}
+    if graphs:  # on a GPU: the variants' replays take turns, so that the GPU's drift weighs on each alike
+        for variant, ms in median_replays_ms(graphs, timing).items():
+            results[variant].time_us = ms * 1e3 / timing.calls_per_graph
+    del workload, measured, graphs
     release_memory(device)
 
     hbm_floor_us = ceilings.hbm_floor_us(case.min_bytes)

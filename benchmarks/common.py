@@ -19,6 +19,7 @@ from helion_backend.timing import (  # noqa: F401  (re-exported for the benchmar
     capture_calls,
     copies_to_defeat_l2,
     median_replay_ms,
+    median_replays_ms,
     package_version,
     relative_error,
     run_metadata,

@@ -8,7 +8,7 @@ import importlib.util
 import logging
 import math
 import traceback
-from typing import Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
 import torch
 
@@ -34,6 +34,9 @@ from .vocabulary import (
     RMSNORM,
     Operand,
 )
+
+if TYPE_CHECKING:  # the kernels import Helion, which this module leaves to the first Helion call
+    from .kernels.configs import Verdict
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -78,6 +81,19 @@ def helion_size_limit(
     if crossover is None or crossover >= max_helion_size:
         return max_helion_size, None
     return crossover, f"measured crossover M={crossover} at K={k}, N={n} (config table)"
+
+
+def measured_verdict(
+    m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, config_dir: str,
+    kernel: str = DEFAULT_KERNEL_FAMILY,
+) -> Verdict | None:
+    """The config table's verdict for a static M at this shape (see :func:`.kernels.configs.measured_verdict`);
+    None off CUDA, without Helion, or where the table has none."""
+    if device.type != "cuda" or helion_unavailable_reason() is not None:
+        return None
+    from .kernels.configs import measured_verdict as table_verdict
+
+    return table_verdict(m, k, n, dtype, device, config_dir or None, kernel)
 
 
 def run_gemm_epilogue(

@@ -18,7 +18,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -73,19 +73,32 @@ def capture_calls(step: Step, config: TimingConfig) -> CapturedCalls:
 
 def median_replay_ms(graph: torch.cuda.CUDAGraph, config: TimingConfig) -> float:
     """Median GPU time of one replay of ``graph`` in milliseconds, each replay timed by CUDA events."""
+    return median_replays_ms({"graph": graph}, config)["graph"]
+
+
+def median_replays_ms(graphs: Mapping[str, torch.cuda.CUDAGraph], config: TimingConfig) -> dict[str, float]:
+    """Median GPU time of one replay of each of ``graphs`` in milliseconds, each replay timed by CUDA events.
+
+    The graphs take turns, one replay each per round in an order rotated every round, so that what drifts
+    over a measurement (the GPU's clocks and temperature under a long compute-bound run) weighs on each
+    alike: the way to compare variants of one case.
+    """
+    names = list(graphs)
     for _ in range(config.warmup_replays):
-        graph.replay()
+        for name in names:
+            graphs[name].replay()
     torch.cuda.synchronize()
-    events = [
-        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        for _ in range(config.replays)
-    ]
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
+    events: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {name: [] for name in names}
+    for turn in range(config.replays):
+        for name in names[turn % len(names):] + names[:turn % len(names)]:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graphs[name].replay()
+            end.record()
+            events[name].append((start, end))
     torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events)
+    return {name: statistics.median(start.elapsed_time(end) for start, end in pairs)
+            for name, pairs in events.items()}
 
 
 def time_wallclock_us(step: Step, config: TimingConfig) -> float:

@@ -16,12 +16,9 @@ CUDA = torch.device("cuda")  # a device object only: nothing runs on it here
 def table_dir(tmp_path, monkeypatch):
     monkeypatch.setattr(configs, "TUNED_DIR", tmp_path)
     monkeypatch.setattr(configs, "gpu_key", lambda device: "test_gpu")
-    caches = (configs._table, configs.config_for, configs.measured_crossover)
-    for cache in caches:
-        cache.cache_clear()
+    configs.forget_tables()
     yield tmp_path
-    for cache in caches:
-        cache.cache_clear()
+    configs.forget_tables()
 
 
 def entry(m, block_n, k=4096, n=12288):
@@ -77,6 +74,20 @@ def test_measured_crossover_is_the_last_win_before_the_first_loss(table_dir):
     ]}))
     crossover = {n: configs.measured_crossover(4096, n, torch.bfloat16, CUDA) for n in (12288, 1024, 4096, 8192)}
     assert crossover == {12288: 4, 1024: 0, 4096: None, 8192: None}
+
+
+def test_a_static_m_takes_the_verdict_of_the_entry_its_config_comes_from(table_dir):
+    def verdict(m, wins):
+        return {**entry(m, 32), "helion_wins": wins}
+
+    (table_dir / "test_gpu.json").write_text(json.dumps({"entries": [
+        verdict(1, True), verdict(2, False), verdict(8, True), {**entry(16, 32)},  # 16: not timed
+    ]}))
+    verdicts = {m: configs.measured_verdict(m, 4096, 12288, torch.bfloat16, CUDA) for m in (1, 2, 3, 8, 16, 17)}
+    assert verdicts == {1: (1, True), 2: (2, False), 3: (8, True), 8: (8, True), 16: None, 17: None}
+    # The crossover stops at the first loss; M = 8's win is the verdict's alone.
+    assert configs.measured_crossover(4096, 12288, torch.bfloat16, CUDA) == 1
+    assert configs.measured_verdict(1, 4096, 12288, torch.bfloat16, torch.device("cpu")) is None
 
 
 def test_table_without_verdicts_has_no_crossover(table_dir):

@@ -285,11 +285,9 @@ def cpu_table_dir(tmp_path, monkeypatch):
     """Config tables read as if this CPU were a GPU called test_gpu, with no shipped table."""
     monkeypatch.setattr(configs, "TUNED_DIR", tmp_path / "shipped")
     monkeypatch.setattr(configs, "gpu_key", lambda device: "test_gpu")
-    for cache in (configs._table, configs.config_for, configs.measured_crossover):
-        cache.cache_clear()
+    configs.forget_tables()
     yield tmp_path / "configs"
-    for cache in (configs._table, configs.config_for, configs.measured_crossover):
-        cache.cache_clear()
+    configs.forget_tables()
 
 
 @pytest.fixture

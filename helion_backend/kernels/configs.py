@@ -156,7 +156,7 @@ def has_entry(kernel: str, dtype: str, k: int, n: int, m: int, device: torch.dev
 def forget_tables() -> None:
     """Drop the memoized tables and lookups, so that entries written in this process take effect at once
     (the fused op looks its config up on every call)."""
-    for memo in (_table, config_for, measured_crossover):
+    for memo in (_table, config_for, measured_crossover, measured_verdict):
         memo.cache_clear()
 
 
@@ -191,6 +191,28 @@ def config_for(
         if entry.m >= m:
             return entry.config
     return entries[-1].config
+
+
+class Verdict(NamedTuple):
+    """What the table measured at the key a static M looks up: its M, and whether Helion won there."""
+
+    m: int
+    helion_wins: bool
+
+
+@functools.cache
+def measured_verdict(
+    m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, user_dir: str | None = None,
+    kernel: str = DEFAULT_KERNEL_FAMILY,
+) -> Verdict | None:
+    """Whether Helion beat cuBLAS + Inductor at the entry :func:`config_for` takes for ``m`` (the smallest
+    tuned M >= m) at this (K, N); None where there is no such entry or it was not timed against the fallback.
+    A static M is placed by it rather than by :func:`measured_crossover`, so that a loss within the timing's
+    noise at one M does not also cost the larger Ms that win."""
+    for entry in _entries(k, n, dtype, device, user_dir, kernel):
+        if entry.m >= m:
+            return None if entry.helion_wins is None else Verdict(entry.m, entry.helion_wins)
+    return None
 
 
 @functools.cache

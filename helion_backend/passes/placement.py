@@ -34,14 +34,17 @@ def _norm_unfusable(site: GemmSite, max_m: int) -> str | None:
 def place(site: GemmSite, ctx: PassContext, kernel: str, n: int) -> tuple[str, str | None, int]:
     """``(runs_on, why, helion_limit)`` of ``site`` run by the ``kernel`` family at width ``n``: Helion on
     CUDA for M up to the limit (the measured crossover of that family and shape, else
-    ``max_helion_size``), the reference where asked, else Inductor."""
+    ``max_helion_size``), the reference where asked, else Inductor. A static M up to ``max_helion_size``
+    follows the config table's verdict at that M where it has one (:func:`dispatch.measured_verdict`)."""
     limit, lowered_by = dispatch.helion_size_limit(
         site.k, n, site.dtype, site.device, ctx.options.max_helion_size, ctx.options.config_dir, kernel,
     )
     bound = lowered_by or f"max_helion_size={limit}"
     if site.device.type == "cuda":
-        if site.static_m is not None and site.static_m > limit:
-            return "inductor", f"M={site.static_m} > {bound}: cuBLAS + Inductor's epilogue", limit
+        if site.static_m is not None:
+            placed = _place_static_m(site.static_m, site, ctx, kernel, n, limit, bound)
+            if placed is not None:
+                return placed
         problem = dispatch.helion_unavailable_reason()
         if problem:
             return "reference", problem, limit
@@ -53,3 +56,22 @@ def place(site: GemmSite, ctx: PassContext, kernel: str, n: int) -> tuple[str, s
     return "inductor", (
         f"{site.device.type} graph: left to Inductor (option rewrite_on_cpu rewrites it to the reference)"
     ), limit
+
+
+def _place_static_m(m: int, site: GemmSite, ctx: PassContext, kernel: str, n: int, limit: int,
+                    bound: str) -> tuple[str, str | None, int] | None:
+    """Where the config table has a verdict at ``m`` (up to ``max_helion_size``), its winner; Helion above the
+    crossover raises the fused op's limit to ``m`` (above its limit the op runs its fallback). Without a
+    verdict, Inductor above the limit. None: place it as any M."""
+    verdict = None
+    if m <= ctx.options.max_helion_size:
+        verdict = dispatch.measured_verdict(m, site.k, n, site.dtype, site.device, ctx.options.config_dir, kernel)
+    if verdict is None:
+        return ("inductor", f"M={m} > {bound}: cuBLAS + Inductor's epilogue", limit) if m > limit else None
+    if not verdict.helion_wins:
+        return "inductor", (f"cuBLAS + Inductor's epilogue measured faster at M={verdict.m}, K={site.k}, N={n} "
+                            "(config table)"), limit
+    if m > limit and dispatch.helion_unavailable_reason() is None:
+        return "helion", (f"M={m} above the crossover M={limit}: Helion measured faster at M={verdict.m} "
+                          "(config table)"), m
+    return None
