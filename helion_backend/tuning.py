@@ -404,6 +404,8 @@ def tune_all(
             summary.failed.append(f"{key}: {e}")
             say(i, key, f"FAILED ({type(e).__name__}: {e})")
         else:
+            if key in warm_share:  # its share of the batch's parallel compile, which its own seconds lack
+                entry = {**entry, "warm_seconds": round(warm_share[key], 1)}
             table.put(entry, metadata())
             summary.tuned += 1
             verdict = "Helion wins" if entry["helion_wins"] else "torch.compile wins"

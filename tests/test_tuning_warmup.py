@@ -48,6 +48,9 @@ def test_each_batch_is_warmed_once_before_its_keys_are_timed(tmp_path):
                       ("warm", [8, 16]), ("time", 8), ("time", 16),
                       ("warm", [32]), ("time", 32)]
     assert (summary.tuned, summary.skipped, summary.failed) == (5, 1, [])
+    # Each warmed entry records its share of its batch's compile (the fake clock stands still: 0 s).
+    entries = {e["m"]: e for e in json.loads(path.read_text())["entries"]}
+    assert "warm_seconds" not in entries[4] and all(entries[m]["warm_seconds"] == 0.0 for m in (1, 2, 8, 16, 32))
     assert lines[0] == "[1/6] compiling the next 2 key(s) in parallel"
     assert lines[1] == "[1/6] compiled in 0s"
     assert lines[2].startswith(f"[1/6] {key(1)}: tuning; ETA")
