@@ -76,7 +76,7 @@ from .options import (
     default_tune_jobs,
 )
 from .timing import Step, TimingConfig, relative_error, run_metadata, time_callable_us
-from .tuning_candidates import candidates_for
+from .tuning_candidates import sweep_configs
 from .tuning_problems import TOLERANCE, Output, Problem, Search, TuneError, TuneKey, build_problem
 from .tuning_warmup import pool_for
 from .vocabulary import DEFAULT_KERNEL_FAMILY
@@ -313,12 +313,12 @@ def tune_key(
     start = clock()
     timer = timer or functools.partial(time_callable_us, config=TIMING, device=device)
     problem = problem_of(key, device)
+    # Today's config competes too, so neither a short budget nor a fixed list leaves a key slower than it was.
     if effort == SWEEP_EFFORT:
-        candidates, failures = candidates_for(key), []
+        candidates, failures = sweep_configs(key, problem.current), []
     else:
         candidates, failures = _searched(key, problem, tuner, effort, budget_s)
-    # Today's config competes too, so neither a short budget nor a fixed list leaves a key slower than it was.
-    candidates.append(problem.current)
+        candidates.append(problem.current)
     best = fastest_valid(candidates, problem.run, problem.reference, timer, problem.tolerance)
     if best is None:
         raise TuneError(f"no valid config among {len(candidates)} ({'; '.join(failures) or 'all off'})")

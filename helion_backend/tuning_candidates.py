@@ -137,6 +137,12 @@ def glu_candidates(m: int, n: int) -> list[helion.Config]:
     return list(dict.fromkeys(glu_kernel_config(c, torch.bfloat16.itemsize, False) for c in candidate_configs(m, n)))
 
 
+def sweep_configs(key: TuneKey, current: helion.Config) -> list[helion.Config]:
+    """What the ``sweep`` effort times at ``key``, in order: the family's candidates, then today's config
+    (``current``), each once. The tune command's compile workers run the same list ahead of the timing."""
+    return list(dict.fromkeys([*candidates_for(key), current]))
+
+
 def candidates_for(key: TuneKey) -> list[helion.Config]:
     """The family's candidates at this key's M and N."""
     if key.kernel == GLU_FAMILY:

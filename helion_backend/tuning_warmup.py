@@ -40,7 +40,7 @@ from types import TracebackType
 import helion
 import torch
 
-from .tuning_candidates import candidates_for
+from .tuning_candidates import sweep_configs
 from .tuning_problems import Problem, TuneKey, build_problem
 
 log = logging.getLogger(__name__)
@@ -67,15 +67,16 @@ def warm_key(key: TuneKey, device: torch.device,
     if device.type == "cuda":
         torch.cuda.set_device(device)  # Triton launches on the current device
     try:
-        _run_once(problem_of(key, device), candidates_for(key))
+        problem = problem_of(key, device)
+        _run_once(problem, sweep_configs(key, problem.current))
     finally:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.empty_cache()  # an idle worker keeps its CUDA context, not the key's tensors
 
 
-def _run_once(problem: Problem, candidates: Sequence[helion.Config]) -> None:
-    for config in dict.fromkeys([*candidates, problem.current]):  # as tune_key's sweep runs them
+def _run_once(problem: Problem, configs: Sequence[helion.Config]) -> None:
+    for config in configs:
         _attempt(functools.partial(problem.run, config, 0))
     for step in problem.extra_timings.values():
         _attempt(functools.partial(step, 0))

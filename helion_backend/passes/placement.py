@@ -71,7 +71,7 @@ def _place_static_m(m: int, site: GemmSite, ctx: PassContext, kernel: str, n: in
     if not verdict.helion_wins:
         return "inductor", (f"cuBLAS + Inductor's epilogue measured faster at M={verdict.m}, K={site.k}, N={n} "
                             "(config table)"), limit
-    if m > limit and dispatch.helion_unavailable_reason() is None:
+    if m > limit:  # (a verdict implies Helion is available: dispatch.measured_verdict)
         return "helion", (f"M={m} above the crossover M={limit}: Helion measured faster at M={verdict.m} "
                           "(config table)"), m
     return None
