@@ -54,8 +54,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (
-    Ceilings,
     CapturedCalls,
+    Ceilings,
     TimingConfig,
     capture_calls,
     copies_to_defeat_l2,

@@ -102,6 +102,19 @@ BLOCK_FP8_CANDIDATES = tuple(
     for bm, bn, w, s, sk in ((16, 32, 4, 3, 1), (16, 64, 4, 3, 1), (16, 128, 4, 3, 1), (16, 64, 4, 4, 2),
                              (16, 32, 4, 3, 4), (16, 128, 8, 3, 2), (32, 64, 4, 3, 1), (32, 128, 8, 3, 1))
 )
+# Block fp8 with ``prequantize``: the groups dequantized up front, the weight scaled in the K loop, so the K
+# block is free; the weight-only int8 kernel's winners (a one-byte weight converted in the loop), with N
+# blocks of at most one weight block.
+BLOCK_FP8_PREQUANTIZED_CANDIDATES = (
+    (16, 32, 512, 4, 3, 1, "pointer"),
+    (16, 64, 512, 4, 3, 1, "pointer"),
+    (16, 64, 128, 4, 4, 1, "pointer"),
+    (16, 32, 1024, 4, 3, 1, "pointer"),
+    (16, 32, 256, 4, 3, 2, "pointer"),
+    (16, 64, 256, 4, 3, 2, "pointer"),
+    (32, 32, 256, 4, 3, 1, "pointer"),
+    (32, 32, 512, 4, 3, 1, "pointer"),
+)
 # Splits beyond this many CTAs only add partial sums to write and read back.
 MAX_SPLIT_CTAS = 4 * NUM_SMS
 
@@ -117,15 +130,17 @@ def candidate_configs(m: int, n: int, candidates: Sequence[Candidate] = CANDIDAT
 
 
 def quant_candidates(key: TuneKey) -> list[helion.Config]:
-    """A quantized family's candidates: int4's and block fp8's own K blocks; the one-byte deep tiles for the
-    rest. A site that quantizes its own rows also tries each with ``prequantize`` (the rows quantized once, by
-    a kernel of their own), and the deep tiles only so, as that won every such fp8 and int8 key; for any other
-    site the key would change nothing, and each config is timed once."""
+    """A quantized family's candidates: int4's own K blocks; block fp8's one-group K blocks, and with
+    ``prequantize`` deeper ones; the one-byte deep tiles for the rest. A site that quantizes its own rows also
+    tries each with ``prequantize`` (the rows quantized once, by a kernel of their own), and the deep tiles only
+    so, as that won every such fp8 and int8 key; for any other site the key would change nothing, and each
+    config is timed once."""
     m, n = key.m, key.n
     if key.kernel == INT4_FAMILY:
         return candidate_configs(m, n, INT4_CANDIDATES)
     if key.kernel == FP8_BLOCK_FAMILY:
-        return candidate_configs(m, n, BLOCK_FP8_CANDIDATES)
+        return candidate_configs(m, n, BLOCK_FP8_CANDIDATES) + candidate_configs(
+            m, n, BLOCK_FP8_PREQUANTIZED_CANDIDATES, **{PREQUANTIZE: True})
     if not quantizes_its_rows(key):
         return candidate_configs(m, n, QUANT_CANDIDATES + ONE_BYTE_CANDIDATES)
     return candidate_configs(m, n, QUANT_CANDIDATES) + candidate_configs(

@@ -10,8 +10,9 @@ runs today, and the family's config keys that one Helion search cannot explore (
 
 - ``split_k``: a split writes fp32 partial sums to a workspace of another shape and needs a finishing pass
   the autotuner never sees, so each split is searched on its own, with ``split_k`` fixed;
-- ``prequantize`` (fp8 and int8 sites that quantize their activation, option ``fuse_activation_quant``): ours,
-  not Helion's; with it the wrapper launches another GEMM kernel on rows quantized by a kernel of their own.
+- ``prequantize`` (fp8 and int8 sites that quantize their activation, option ``fuse_activation_quant``, and
+  block fp8): ours, not Helion's; with it the wrapper launches another GEMM kernel on rows quantized by a
+  kernel of their own.
 
 Each :class:`Search` captures, on the GPU, the GEMM launch the wrapper makes for its seed config
 (:func:`~.kernels.gemm.record_launches`): the kernel, its arguments and the config as that kernel takes
@@ -51,7 +52,7 @@ from .kernels.gemm import (
     record_launches,
 )
 from .kernels.multi_gemm import multi_gemm_helion, multi_kernel_config
-from .kernels.quant_gemm import quantize_rows_kernel
+from .kernels.quant_gemm import dequantize_groups_kernel, quantize_rows_kernel
 from .norm import RmsNormSpec, rms_norm
 from .options import BackendOptions
 from .quant_program import QuantProgram, quantize_rows
@@ -86,7 +87,7 @@ QUANT_FORMAT_OF = {"gemm_fp8": "fp8_dynamic", "gemm_int8": "int8_dynamic", "gemm
                    INT4_FAMILY: "int4_weight_only", FP8_BLOCK_FAMILY: "fp8_block"}
 SPLIT_K, PREQUANTIZE = "split_k", configs.PREQUANTIZE
 HELION_TUNABLES = frozenset({SPLIT_K})  # of the searched keys, those Helion's autotuner can hold fixed
-_HELPER_KERNELS = (epilogue_kernel, quantize_rows_kernel)  # launches around the GEMM, never tuned
+_HELPER_KERNELS = (epilogue_kernel, quantize_rows_kernel, dequantize_groups_kernel)  # around the GEMM, never tuned
 
 Output = torch.Tensor | list[torch.Tensor]
 
@@ -313,6 +314,12 @@ def quantizes_its_rows(key: TuneKey) -> bool:
     return bool(set(key.prologue) & set(ACTIVATION_QUANT_STEPS.values()))
 
 
+def reads_prequantize(key: TuneKey) -> bool:
+    """Whether ``key``'s wrapper runs another kernel with ``prequantize``: a site that quantizes its own rows
+    (:func:`quantizes_its_rows`), or block fp8, whose kernel always quantizes its groups itself."""
+    return quantizes_its_rows(key) or key.kernel == FP8_BLOCK_FAMILY
+
+
 def _current(key: TuneKey, device: torch.device) -> helion.Config:
     """The config the backend runs at ``key`` today (the shipped table's, else the default)."""
     return configs.config_for(key.m, key.k, key.n, RULE_DTYPES[key.dtype], device, kernel=key.kernel)
@@ -427,7 +434,7 @@ def _quantized_problem(key: TuneKey, device: torch.device) -> Problem:
                                   lambda i: (layers[i % copies], inputs[i % copies], extra[i % copies])),
         current=current,
         epilogue=key.epilogue,
-        searched={**split, PREQUANTIZE: (False, True)} if quantizes_its_rows(key) else split,
+        searched={**split, PREQUANTIZE: (False, True)} if reads_prequantize(key) else split,
         # A pre-quantized site never quantizes: its entry keeps today's prequantize for the sites that do.
         to_table=lambda config: helion.Config(**{**config, **keep_prequantize}),
     )

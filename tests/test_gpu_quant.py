@@ -135,9 +135,11 @@ def test_int4_kernel_blocks_groups_and_split_k(group_size, block_k, split_k):
 
 @pytest.mark.parametrize("split_k", [1, 2, 4])
 @pytest.mark.parametrize("block_mn", [(16, 32), (16, 128), (32, 64)])
-def test_block_fp8_kernel_blocks_and_split_k(block_mn, split_k):
+@pytest.mark.parametrize("prequantize_block_k", [None, 256, 512])
+def test_block_fp8_kernel_blocks_and_split_k(prequantize_block_k, block_mn, split_k):
     """The block fp8 kernel against the graph's dequantize-then-multiply: N tiles narrower and wider than
-    a weight block, and split-K (each split rescales its own blocks before the finishing pass)."""
+    a weight block, and split-K (each split rescales its own blocks before the finishing pass); with
+    ``prequantize``, groups dequantized first and K blocks of several groups."""
     import helion
 
     from helion_backend.dispatch import dequantize_block_fp8, reference
@@ -151,7 +153,10 @@ def test_block_fp8_kernel_blocks_and_split_k(block_mn, split_k):
     x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
     x[:, :128] *= 100  # groups of very different scales
     steps, operands = ("bias", "silu"), [layer.bias]
-    config = helion.Config(block_sizes=list(block_mn), num_warps=4, num_stages=3, split_k=split_k)
+    blocks = {"block_sizes": list(block_mn)}
+    if prequantize_block_k is not None:
+        blocks = {"block_sizes": [*block_mn, prequantize_block_k], "prequantize": True}
+    config = helion.Config(num_warps=4, num_stages=3, split_k=split_k, **blocks)
     out = block_fp8_gemm_helion(x, layer.qweight.t(), layer.weight_scale, steps, operands, [], torch.bfloat16,
                                 program, config=config)
     x_dq, w_kn = dequantize_block_fp8(x, program, layer.qweight, layer.weight_scale)

@@ -359,10 +359,13 @@ def fp8_exact_activation(m: int, k: int, group: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("m", [1, 5])
 @pytest.mark.parametrize("split_k", [1, 2])
-def test_block_fp8_kernel_scales_each_block_product(split_k, m):
+@pytest.mark.parametrize("prequantize", [False, True])
+def test_block_fp8_kernel_scales_each_block_product(prequantize, split_k, m):
     """Per-group activation scales and per-block weight scales applied to each 128-wide block's fp8
     product; K = 640 gives five groups (split-K: 512 + 128), N = 256 two weight blocks along N. One row
-    runs as two (Helion 1.4 cannot compile the group amax of one), the residual's row with it."""
+    runs as two (Helion 1.4 cannot compile the group amax of one), the residual's row with it. With
+    ``prequantize`` the groups are dequantized first and the weight scaled in the K loop: K blocks of 256
+    (the last one partial) and an N block of 256, capped at one weight block."""
     import torch.nn as nn
 
     from helion_backend.dispatch import dequantize_block_fp8, reference
@@ -376,7 +379,8 @@ def test_block_fp8_kernel_scales_each_block_product(split_k, m):
     (site,) = trace_sites(layer, x)
     assert site.prologue[0].name == "quant_fp8_per_group", site.prologue
     steps, operands = ("bias", "residual", "relu"), [layer.bias, torch.randn(m, 256)]
-    config = helion.Config(block_sizes=[16, 32], num_warps=4, num_stages=1, split_k=split_k)
+    extra = {"block_sizes": [16, 256, 256], "prequantize": True} if prequantize else {"block_sizes": [16, 32]}
+    config = helion.Config(num_warps=4, num_stages=1, split_k=split_k, **extra)
     out = block_fp8_gemm_helion(x, layer.qweight.t(), layer.weight_scale, steps, operands, [], torch.float32,
                                 site.quant_program, config=config)
     assert out.shape == (m, 256) and out.is_contiguous()

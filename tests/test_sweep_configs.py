@@ -100,6 +100,20 @@ def test_prequantize_is_tried_only_where_the_site_quantizes_its_rows(kernel):
         c["block_sizes"][2] < 1024 for c in fused if not c.get(PREQUANTIZE))
 
 
+def test_block_fp8_tries_one_group_blocks_and_prequantized_deeper_ones():
+    """In-kernel quantization steps one group (B) at a time; with ``prequantize`` the K block is free, and the
+    N block stays within one weight block (the kernel reads one block scale per K row)."""
+    from helion_backend.kernels.configs import PREQUANTIZE
+    from helion_backend.vocabulary import FP8_BLOCK
+
+    candidates = candidates_for(sweep.sweep_keys("gemm_fp8_block", ["qwen3_8b"], [8])[0])
+    in_kernel = [c for c in candidates if not c.get(PREQUANTIZE)]
+    prequantized = [c for c in candidates if c.get(PREQUANTIZE)]
+    assert in_kernel and all(c["block_sizes"][2] == FP8_BLOCK for c in in_kernel)
+    assert any(c["block_sizes"][2] > FP8_BLOCK for c in prequantized)
+    assert all(c["block_sizes"][1] <= FP8_BLOCK for c in prequantized)
+
+
 def test_the_suites_manifest_expands_in_the_tune_command_to_the_keys_the_script_sweeps(tmp_path, capsys):
     path = tmp_path / "suites.json"
     sweep.main(["--kernel", "all", "--write-manifest", str(path)])

@@ -24,6 +24,11 @@ float activation with an int8 weight converted block by block (weight-only).
 dequantizes each block in registers exactly as the graph did (nibble, minus the zero point, times the
 scale, rounded to the activation's dtype) before the tensor cores multiply it in that dtype.
 
+``block_fp8_gemm_kernel`` quantizes each 1 x B group of the activation in its K loop, one group a step.
+With ``prequantize`` block fp8 runs two kernels instead: ``dequantize_groups_kernel`` quantizes every group
+once and multiplies it back by its scale, and ``block_scaled_weight_gemm_kernel`` multiplies those rows by
+the fp8 weight scaled block by block as it is loaded, in K blocks of any depth.
+
 Split-K works as in :mod:`.gemm`: each split stores its fp32 partial sums (already rescaled by the
 per-token scale, which distributes over the sum) and :func:`.gemm.epilogue_kernel` finishes.
 """
@@ -64,6 +69,8 @@ from .gemm import (
 
 # One program per row: a row is at most ~50 KB of activation, read twice (amax, then quantize).
 QUANTIZE_ROWS_CONFIG = helion.Config(block_sizes=[1, 1024, 1024], num_warps=4, num_stages=2)
+# Block fp8's groups: eight groups of one row a program (1024 values, as a row program above reads per step).
+DEQUANTIZE_GROUPS_CONFIG = helion.Config(block_sizes=[1, 8], num_warps=4, num_stages=1)
 
 
 @helion.kernel(static_shapes=True, autotune_effort="none")
@@ -222,6 +229,60 @@ def block_fp8_gemm_kernel(
             product = hl.dot(quantize(x_block, amax, scale), w[tile_k, tile_n], out_dtype=torch.float32)
             block_scale = w_scale[tile_k.begin // FP8_BLOCK, tile_n.index // FP8_BLOCK]
             acc = acc + product * scale.to(torch.float32) * block_scale[None, :]
+        result = acc
+        if split_k == 1:
+            result = epilogue(result, operands, scalars, tile_m, tile_n)
+        out[tile_split.id, tile_m, tile_n] = result.to(out.dtype)
+
+
+@helion.kernel(static_shapes=True, autotune_effort="none")
+def dequantize_groups_kernel(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    reduced: Callable[[torch.Tensor], torch.Tensor],
+    scale_of: Callable[[torch.Tensor], torch.Tensor],
+    quantize: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> None:
+    """``out[i, g] = q(x[i, g]) * s[i, g]`` for ``x`` seen as [M, K/B, B]: each 1 x B group quantized as the
+    program says (amax over the group, scale, fp8) and multiplied back by its scale, in ``out``'s dtype."""
+    m, groups, _ = x.size()
+    for tile_m, tile_g in hl.tile([m, groups]):
+        block = x[tile_m, tile_g, :]
+        amax = torch.amax(reduced(block).to(torch.float32), dim=-1, keepdim=True)
+        scale = scale_of(amax)
+        dequantized = quantize(block, amax, scale).to(torch.float32) * scale.to(torch.float32)
+        out[tile_m, tile_g, :] = dequantized.to(out.dtype)
+
+
+@helion.kernel(static_shapes=True, autotune_effort="none", dot_precision="ieee")
+def block_scaled_weight_gemm_kernel(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    out: torch.Tensor,
+    operands: list[torch.Tensor],
+    scalars: list[float],
+    epilogue: Callable[..., torch.Tensor],
+) -> None:
+    """``out[0] = epilogue(x @ (w * sb))`` with ``split_k == 1``, for the block fp8 weight ``w`` [K, N] and its
+    block scales ``w_scale`` [K/B, N/B]; else ``out[i]`` = split i's part.
+
+    Each step converts its fp8 weight tile to ``x``'s dtype, every row times its block's scale, and multiplies
+    in that dtype: at M <= 16 Triton multiplies fp8 on Hopper through 16-bit MMAs anyway, and a tile no longer
+    has to stop at each group's boundary, so its K block is free. An N tile lies inside one weight block
+    (``block_n`` divides B), so a row's scale is one load per K row.
+    """
+    m, k = x.size()
+    n = w.size(1)
+    block = k // w_scale.size(0)  # B, a constant of the compiled kernel (a module global would be an argument)
+    split_k = hl.register_tunable("split_k", PowerOfTwoFragment(1, 64, 1))
+    k_per_split = helion.cdiv(helion.cdiv(k, split_k), 256) * 256
+    for tile_m, tile_n, tile_split in hl.tile([m, n, k], block_size=[None, None, k_per_split]):
+        acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
+        for tile_k in hl.tile(tile_split.begin, tile_split.end):
+            row_scale = w_scale[tile_k.index // block, tile_n.begin // block]
+            weight = (w[tile_k, tile_n].to(torch.float32) * row_scale[:, None]).to(x.dtype)
+            acc = hl.dot(x[tile_m, tile_k], weight, acc=acc)
         result = acc
         if split_k == 1:
             result = epilogue(result, operands, scalars, tile_m, tile_n)
@@ -388,8 +449,13 @@ def block_fp8_gemm_helion(
     config_dir: str | None = None,
 ) -> torch.Tensor:
     """``epilogue(x @ w)`` for block fp8, as a contiguous [M, N] ``out_dtype`` tensor: the float activation
-    ``x`` [M, K] quantized per 1 x B group by ``program`` in the kernel, the fp8 weight ``w_kn`` [K, N]
-    (a view of the [N, K] one) with ``block_scales`` [N/B, K/B]. The config's K block is ignored: it is B."""
+    ``x`` [M, K] quantized per 1 x B group by ``program``, the fp8 weight ``w_kn`` [K, N] (a view of the
+    [N, K] one) with ``block_scales`` [N/B, K/B].
+
+    By default the GEMM kernel quantizes each group on its way into the tensor cores, and the config's K
+    block is ignored (it is B). With the config key ``prequantize`` the groups are quantized and multiplied
+    back by their scales once, by a kernel of their own, and the GEMM multiplies those rows by the weight
+    scaled block by block (any K block; the N block is capped at B)."""
     if x.shape[0] == 1:
         # Helion 1.4 cannot lower the per-group amax of a single row (a reduction over the constant K block
         # of a [1, B] tile fails an assertion), and the call would fall back to the unfused reference: run
@@ -408,25 +474,50 @@ def block_fp8_gemm_helion(
     (m, k), n = x.shape, w_kn.shape[1]
     if config is None:
         config = config_for(m, k, n, x.dtype, x.device, config_dir, FP8_BLOCK_FAMILY)
-    config = _block_k_of_one_group(config)
+    prequantize, config = _split_prequantize(config)
+    if prequantize:
+        kernel, rows, config = block_scaled_weight_gemm_kernel, dequantize_groups(x, program), _n_block_within_b(config)
+    else:
+        kernel, rows, config = block_fp8_gemm_kernel, x, _block_k_of_one_group(config)
     epilogue = tile_epilogue(steps)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     split_k = config.get("split_k", 1)
     target = split_k_target(out, k, split_k)
     scales_kn = block_scales.t()
-    args = (x, w_kn, scales_kn, target, operands, scalars, *program_functions(program), epilogue)
+    quantizes = () if prequantize else program_functions(program)
+    args = (rows, w_kn, scales_kn, target, operands, scalars, *quantizes, epilogue)
     key = (sig, Layout.of(scales_kn), program)
-    compiled_kernel(block_fp8_gemm_kernel, args, key, config, target.shape[0])(*args)
+    compiled_kernel(kernel, args, key, config, target.shape[0])(*args)
     return finish_split_k(target, out, split_k, sig, operands, scalars, epilogue)
+
+
+def dequantize_groups(x: torch.Tensor, program: QuantProgram) -> torch.Tensor:
+    """``x`` with each 1 x B group quantized as ``program`` says and multiplied back by its scale, in x's
+    dtype (:func:`dequantize_groups_kernel`)."""
+    m, k = x.shape
+    out = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    grouped = (m, k // FP8_BLOCK, FP8_BLOCK)
+    args = (x.reshape(grouped), out.view(grouped), *program_functions(program))
+    compiled_kernel(dequantize_groups_kernel, args, (Layout.of(args[0]), program), DEQUANTIZE_GROUPS_CONFIG, 1)(*args)
+    return out
 
 
 @functools.cache  # on every launch
 def _block_k_of_one_group(config: helion.Config) -> helion.Config:
     """``config`` with its K block dropped: the kernel's K loop has a fixed block of one group, so Helion
-    takes only the M and N block sizes (and ``prequantize``, ours, has no meaning here)."""
+    takes only the M and N block sizes."""
     block_sizes = config.get("block_sizes", [])
-    rest = {key: value for key, value in config.items() if key not in ("block_sizes", PREQUANTIZE)}
+    rest = {key: value for key, value in config.items() if key != "block_sizes"}
     return helion.Config(block_sizes=list(block_sizes[:2]), **rest)
+
+
+@functools.cache  # on every launch
+def _n_block_within_b(config: helion.Config) -> helion.Config:
+    """``config`` with its N block at most B, so that an N tile reads one block scale per K row."""
+    block_sizes = list(config.get("block_sizes", []))
+    if len(block_sizes) > 1 and block_sizes[1] > FP8_BLOCK:
+        block_sizes[1] = FP8_BLOCK
+    return helion.Config(**{**config, "block_sizes": block_sizes})
 
 
 def _check_block_fp8_inputs(x: torch.Tensor, w_kn: torch.Tensor, block_scales: torch.Tensor,
