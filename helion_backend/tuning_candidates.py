@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import helion
 import torch
 
-from .kernels.configs import NUM_SMS, PREQUANTIZE
+from .kernels.configs import NUM_SMS, PAIRED_LOADS, PREQUANTIZE
 from .kernels.gemm import glu_kernel_config
 from .tuning_problems import QUANT_FORMAT_OF, TuneKey, quantizes_its_rows
 from .vocabulary import (
@@ -130,14 +130,15 @@ def candidate_configs(m: int, n: int, candidates: Sequence[Candidate] = CANDIDAT
 
 
 def quant_candidates(key: TuneKey) -> list[helion.Config]:
-    """A quantized family's candidates: int4's own K blocks; block fp8's one-group K blocks, and with
-    ``prequantize`` deeper ones; the one-byte deep tiles for the rest. A site that quantizes its own rows also
-    tries each with ``prequantize`` (the rows quantized once, by a kernel of their own), and the deep tiles only
-    so, as that won every such fp8 and int8 key; for any other site the key would change nothing, and each
-    config is timed once."""
+    """A quantized family's candidates: int4's own K blocks, each also with ``paired_loads``; block fp8's
+    one-group K blocks, and with ``prequantize`` deeper ones; the one-byte deep tiles for the rest. A site
+    that quantizes its own rows also tries each with ``prequantize`` (the rows quantized once, by a kernel of
+    their own), and the deep tiles only so, as that won every such fp8 and int8 key; for any other site the
+    key would change nothing, and each config is timed once."""
     m, n = key.m, key.n
     if key.kernel == INT4_FAMILY:
-        return candidate_configs(m, n, INT4_CANDIDATES)
+        return candidate_configs(m, n, INT4_CANDIDATES) + candidate_configs(
+            m, n, INT4_CANDIDATES, **{PAIRED_LOADS: True})
     if key.kernel == FP8_BLOCK_FAMILY:
         return candidate_configs(m, n, BLOCK_FP8_CANDIDATES) + candidate_configs(
             m, n, BLOCK_FP8_PREQUANTIZED_CANDIDATES, **{PREQUANTIZE: True})

@@ -11,8 +11,8 @@ runs today, and the family's config keys that one Helion search cannot explore (
 - ``split_k``: a split writes fp32 partial sums to a workspace of another shape and needs a finishing pass
   the autotuner never sees, so each split is searched on its own, with ``split_k`` fixed;
 - ``prequantize`` (fp8 and int8 sites that quantize their activation, option ``fuse_activation_quant``, and
-  block fp8): ours, not Helion's; with it the wrapper launches another GEMM kernel on rows quantized by a
-  kernel of their own.
+  block fp8) and ``paired_loads`` (int4): ours, not Helion's; with them the wrapper launches another GEMM
+  kernel (on rows quantized by a kernel of their own; reading the activation as pairs).
 
 Each :class:`Search` captures, on the GPU, the GEMM launch the wrapper makes for its seed config
 (:func:`~.kernels.gemm.record_launches`): the kernel, its arguments and the config as that kernel takes
@@ -85,9 +85,10 @@ QUANT_ACTIVATION_DTYPE = "bfloat16"  # of fp8/int8 sites, whose manifest dtype i
 # The helion_backend.quantize format whose layers each quantized family runs.
 QUANT_FORMAT_OF = {"gemm_fp8": "fp8_dynamic", "gemm_int8": "int8_dynamic", "gemm_weight_only": "int8_weight_only",
                    INT4_FAMILY: "int4_weight_only", FP8_BLOCK_FAMILY: "fp8_block"}
-SPLIT_K, PREQUANTIZE = "split_k", configs.PREQUANTIZE
+SPLIT_K, PREQUANTIZE, PAIRED_LOADS = "split_k", configs.PREQUANTIZE, configs.PAIRED_LOADS
 HELION_TUNABLES = frozenset({SPLIT_K})  # of the searched keys, those Helion's autotuner can hold fixed
-_HELPER_KERNELS = (epilogue_kernel, quantize_rows_kernel, dequantize_groups_kernel)  # around the GEMM, never tuned
+# Launches around the GEMM, never tuned.
+_HELPER_KERNELS = (epilogue_kernel, quantize_rows_kernel, dequantize_groups_kernel)
 
 Output = torch.Tensor | list[torch.Tensor]
 
@@ -314,10 +315,15 @@ def quantizes_its_rows(key: TuneKey) -> bool:
     return bool(set(key.prologue) & set(ACTIVATION_QUANT_STEPS.values()))
 
 
-def reads_prequantize(key: TuneKey) -> bool:
-    """Whether ``key``'s wrapper runs another kernel with ``prequantize``: a site that quantizes its own rows
-    (:func:`quantizes_its_rows`), or block fp8, whose kernel always quantizes its groups itself."""
-    return quantizes_its_rows(key) or key.kernel == FP8_BLOCK_FAMILY
+def wrapper_keys(key: TuneKey) -> dict[str, tuple[bool, ...]]:
+    """Our config keys that make ``key``'s wrapper run another kernel, with their values: ``prequantize`` for a
+    site that quantizes its own rows (:func:`quantizes_its_rows`) and for block fp8 (whose kernel always
+    quantizes its groups itself), ``paired_loads`` for int4."""
+    if quantizes_its_rows(key) or key.kernel == FP8_BLOCK_FAMILY:
+        return {PREQUANTIZE: (False, True)}
+    if key.kernel == INT4_FAMILY:
+        return {PAIRED_LOADS: (False, True)}
+    return {}
 
 
 def _current(key: TuneKey, device: torch.device) -> helion.Config:
@@ -434,7 +440,7 @@ def _quantized_problem(key: TuneKey, device: torch.device) -> Problem:
                                   lambda i: (layers[i % copies], inputs[i % copies], extra[i % copies])),
         current=current,
         epilogue=key.epilogue,
-        searched={**split, PREQUANTIZE: (False, True)} if reads_prequantize(key) else split,
+        searched={**split, **wrapper_keys(key)},
         # A pre-quantized site never quantizes: its entry keeps today's prequantize for the sites that do.
         to_table=lambda config: helion.Config(**{**config, **keep_prequantize}),
     )

@@ -113,9 +113,11 @@ def test_quant_kernel_split_k(qdtype, split_k, prequantize):
 @pytest.mark.parametrize("split_k", [1, 2, 4])
 @pytest.mark.parametrize("block_k", [64, 128, 256])
 @pytest.mark.parametrize("group_size", [128, 32])
-def test_int4_kernel_blocks_groups_and_split_k(group_size, block_k, split_k):
+@pytest.mark.parametrize("paired_loads", [False, True])
+def test_int4_kernel_blocks_groups_and_split_k(paired_loads, group_size, block_k, split_k):
     """The int4 kernel against the graph's dequantization: K blocks (in bytes) smaller and larger than a
-    group, and split-K partial sums finished by the epilogue pass."""
+    group, split-K partial sums finished by the epilogue pass, and the activation read as two stride-2
+    views or as pairs (``paired_loads``)."""
     import helion
 
     from helion_backend.dispatch import dequantize_int4, reference
@@ -127,7 +129,8 @@ def test_int4_kernel_blocks_groups_and_split_k(group_size, block_k, split_k):
     layer = Int4WeightOnlyLinear.from_linear(linear, group_size=group_size)
     x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
     steps, operands = ("bias", "silu"), [layer.bias]
-    config = helion.Config(block_sizes=[16, 32, block_k], num_warps=4, num_stages=3, split_k=split_k)
+    config = helion.Config(block_sizes=[16, 32, block_k], num_warps=4, num_stages=3, split_k=split_k,
+                           paired_loads=paired_loads)
     out = int4_gemm_helion(x, layer.packed.t(), layer.scales, steps, operands, [], torch.bfloat16, config=config)
     w_kn = dequantize_int4(layer.packed, layer.scales, torch.bfloat16).t()
     assert sqnr_db(reference(x, w_kn, steps, operands, [], torch.bfloat16), out) >= 40

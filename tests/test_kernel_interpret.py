@@ -313,11 +313,13 @@ def test_a_step_of_another_kernel_family_is_refused():
         gemm_epilogue_helion(x, w_kn, ("silu", "up_mul"), [], [], torch.float32)
 
 
+@pytest.mark.parametrize("paired_loads", [False, True])
 @pytest.mark.parametrize("split_k", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_int4_weight_only_kernel_dequantizes_as_the_graph(dtype, split_k):
+def test_int4_weight_only_kernel_dequantizes_as_the_graph(dtype, split_k, paired_loads):
     """Packed bytes and group scales read in the K loop; the reference dequantizes with the graph's ops.
-    K = 600 in groups of 40 spans several partial K blocks (of 32 bytes), each crossing group borders.
+    K = 600 in groups of 40 spans several partial K blocks (of 32 bytes), each crossing group borders; the
+    activation's even and odd columns read as two views or (``paired_loads``) as pairs split in registers.
     float16, not bfloat16: the interpreter's bfloat16 arithmetic works on raw bit patterns (the
     dequantization is elementwise math in the activation's dtype; test_gpu_quant.py runs bfloat16)."""
     import torch.nn as nn
@@ -330,7 +332,8 @@ def test_int4_weight_only_kernel_dequantizes_as_the_graph(dtype, split_k):
     layer = Int4WeightOnlyLinear.from_linear(nn.Linear(600, 40).to(dtype), group_size=40)
     x = torch.randn(5, 600, dtype=dtype)
     steps, operands = ("bias", "silu"), [layer.bias]
-    config = helion.Config(block_sizes=BLOCKS, num_warps=4, num_stages=1, split_k=split_k)
+    config = helion.Config(block_sizes=BLOCKS, num_warps=4, num_stages=1, split_k=split_k,
+                           paired_loads=paired_loads)
     out = int4_gemm_helion(x, layer.packed.t(), layer.scales, steps, operands, [], dtype, config=config)
     w_kn = dequantize_int4(layer.packed, layer.scales, dtype).t()
     assert rel_err(out, reference(x, w_kn, steps, operands, [], torch.float64)) <= TOLERANCE[dtype]

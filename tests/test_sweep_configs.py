@@ -114,6 +114,15 @@ def test_block_fp8_tries_one_group_blocks_and_prequantized_deeper_ones():
     assert all(c["block_sizes"][1] <= FP8_BLOCK for c in prequantized)
 
 
+def test_int4_tries_each_block_with_both_activation_loads():
+    from helion_backend.kernels.configs import PAIRED_LOADS
+
+    candidates = candidates_for(sweep.sweep_keys("gemm_int4", ["qwen3_8b"], [8])[0])
+    paired = {helion.Config(**{k: v for k, v in c.items() if k != PAIRED_LOADS})
+              for c in candidates if c.get(PAIRED_LOADS)}
+    assert paired and paired == {c for c in candidates if not c.get(PAIRED_LOADS)}
+
+
 def test_the_suites_manifest_expands_in_the_tune_command_to_the_keys_the_script_sweeps(tmp_path, capsys):
     path = tmp_path / "suites.json"
     sweep.main(["--kernel", "all", "--write-manifest", str(path)])

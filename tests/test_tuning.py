@@ -462,15 +462,20 @@ def test_every_family_searches_its_own_keys_and_records_the_table_layout(kernel,
     entry = tuning.tune_key(k, torch.device("cpu"), effort="quick", budget_s=12, tuner=tuner, timer=timer)
 
     splits = [{"split_k": s} for s in configs.split_k_choices(k.k)]
-    # prequantize is searched where the kernel quantizes the rows (block fp8's always does); a pre-quantized
-    # site keeps today's.
-    prequantize = [{**s, "prequantize": p} for s in splits for p in (False, True)]
+    # prequantize is searched where the kernel quantizes the rows (block fp8's always does), a pre-quantized
+    # site keeping today's; paired_loads for int4.
+    def with_both(ours: str) -> list[dict]:
+        return [{**s, ours: value} for s in splits for value in (False, True)]
+
+    prequantize = with_both("prequantize")
     expected = {"gemm_glu": [{}], "gemm_multi": [{}], "gemm_fp8": prequantize if fused else splits,
-                "gemm_int8": prequantize if fused else splits, "gemm_fp8_block": prequantize}.get(kernel, splits)
+                "gemm_int8": prequantize if fused else splits, "gemm_fp8_block": prequantize,
+                "gemm_int4": with_both("paired_loads")}.get(kernel, splits)
     assert [dict(s.fixed) for s in searches] == expected
     best = problem.table_config(tuner(searches[0], "quick", 1), searches[0])
-    if kernel in (*QUANT_IN_KERNEL_FAMILIES, "gemm_fp8_block"):
-        assert "prequantize" in best, best
+    ours = {"gemm_fp8_block": "prequantize", "gemm_int4": "paired_loads"}.get(kernel, "prequantize")
+    if kernel in (*QUANT_IN_KERNEL_FAMILIES, "gemm_fp8_block", "gemm_int4"):
+        assert ours in best, best
     assert entry["config"] == dict(best) and entry["config"]["num_warps"] == 8 and best in ran
     assert (entry["us"], entry["fallback_us"], entry["helion_wins"]) == (1.0, 1.5, True)
     prologue = {"prologue": list(k.prologue)} if k.prologue else {}  # an entry names a prologue only where there is one

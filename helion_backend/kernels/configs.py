@@ -36,6 +36,8 @@ _MAX_SPLIT_K = 16
 # A key of ours in the quantized families' configs (removed before Helion sees them): quantize the
 # activation once, in a kernel of its own, instead of in every output tile (see kernels/quant_gemm.py).
 PREQUANTIZE = "prequantize"
+# Another, in the int4 configs: read the activation as [M, K/2, 2] pairs and split them in registers.
+PAIRED_LOADS = "paired_loads"
 _QUANTIZED_INPUTS = (torch.float8_e4m3fn, torch.int8)
 
 # The split-K finishing pass only reads the fp32 partial sums once; any coalesced tile will do.

@@ -22,7 +22,9 @@ float activation with an int8 weight converted block by block (weight-only).
 
 ``int4_gemm_kernel`` reads a packed int4 weight (two columns of K per byte) and its group scales, and
 dequantizes each block in registers exactly as the graph did (nibble, minus the zero point, times the
-scale, rounded to the activation's dtype) before the tensor cores multiply it in that dtype.
+scale, rounded to the activation's dtype) before the tensor cores multiply it in that dtype. The config
+key ``paired_loads`` (ours) reads the activation's even and odd columns as contiguous pairs instead of two
+stride-2 views.
 
 ``block_fp8_gemm_kernel`` quantizes each 1 x B group of the activation in its K loop, one group a step.
 With ``prequantize`` block fp8 runs two kernels instead: ``dequantize_groups_kernel`` quantizes every group
@@ -55,7 +57,7 @@ from ..vocabulary import (
     QUANT_DTYPES,
     SUPPORTED_DTYPES,
 )
-from .configs import PREQUANTIZE, config_for
+from .configs import PAIRED_LOADS, PREQUANTIZE, config_for
 from .gemm import (
     Layout,
     Signature,
@@ -158,23 +160,26 @@ def lowp_gemm_kernel(
 
 @helion.kernel(static_shapes=True, autotune_effort="none", dot_precision="ieee")
 def int4_gemm_kernel(
-    x_even: torch.Tensor,
-    x_odd: torch.Tensor,
+    x_pairs: torch.Tensor,
     packed: torch.Tensor,
     scales: torch.Tensor,
     out: torch.Tensor,
     operands: list[torch.Tensor],
     scalars: list[float],
+    paired_loads: bool,
     epilogue: Callable[..., torch.Tensor],
 ) -> None:
     """``out[0] = epilogue(x @ dequant(packed, scales))`` with ``split_k == 1``; else ``out[i]`` = split i's part.
 
-    ``packed`` is [K/2, N] bytes: row j holds the weights of x's columns 2j (low nibble, met by
-    ``x_even``) and 2j + 1 (high nibble, ``x_odd``), so the K loop runs over bytes (the K block counts
-    bytes) and each step makes two dots of half the depth, with no interleaving in registers. ``scales``
-    is [K/G, N]; each byte row reads the scale of its group, which holds both its columns (G is even).
+    ``packed`` is [K/2, N] bytes: row j holds the weights of x's columns 2j (low nibble) and 2j + 1 (high
+    nibble), which ``x_pairs``, x seen as [M, K/2, 2], holds side by side; so the K loop runs over bytes (the
+    K block counts bytes) and each step makes two dots of half the depth, one per nibble. ``scales`` is
+    [K/G, N]; each byte row reads the scale of its group, which holds both its columns (G is even).
+    ``paired_loads`` (a compile-time constant, ``hl.constexpr``) loads each [block_m, block_k, 2] tile of
+    pairs and splits it in registers; else the even and odd columns are loaded apart, as two stride-2 views,
+    one value a load.
     """
-    m, k_bytes = x_even.size()
+    m, k_bytes, _ = x_pairs.size()
     n = packed.size(1)
     group_bytes = k_bytes // scales.size(0)
     split_k = hl.register_tunable("split_k", PowerOfTwoFragment(1, 64, 1))
@@ -184,10 +189,14 @@ def int4_gemm_kernel(
         for tile_k in hl.tile(tile_split.begin, tile_split.end):
             pair = packed[tile_k, tile_n]
             scale = scales[tile_k.index // group_bytes, tile_n]
-            low = ((pair & INT4_LOW_MASK).to(x_even.dtype) - INT4_ZERO_POINT) * scale
-            high = ((pair >> INT4_HIGH_SHIFT).to(x_even.dtype) - INT4_ZERO_POINT) * scale
-            acc = hl.dot(x_even[tile_m, tile_k], low, acc=acc)
-            acc = hl.dot(x_odd[tile_m, tile_k], high, acc=acc)
+            low = ((pair & INT4_LOW_MASK).to(x_pairs.dtype) - INT4_ZERO_POINT) * scale
+            high = ((pair >> INT4_HIGH_SHIFT).to(x_pairs.dtype) - INT4_ZERO_POINT) * scale
+            if paired_loads:
+                x_even, x_odd = hl.split(x_pairs[tile_m, tile_k, :])
+            else:
+                x_even, x_odd = x_pairs[tile_m, tile_k, 0], x_pairs[tile_m, tile_k, 1]
+            acc = hl.dot(x_even, low, acc=acc)
+            acc = hl.dot(x_odd, high, acc=acc)
         result = acc
         if split_k == 1:
             result = epilogue(result, operands, scalars, tile_m, tile_n)
@@ -340,7 +349,7 @@ def quant_gemm_helion(
     gemm_dtype = program.quant_dtype if program is not None else x.dtype
     if config is None:
         config = config_for(m, k, n, gemm_dtype, x.device, config_dir, kernel_family)
-    prequantize, config = _split_prequantize(config)
+    prequantize, config = _split_key(config, PREQUANTIZE)
     prequantize = prequantize and program is not None
     if prequantize:
         quantized, scale = quantize_rows(x, program)
@@ -362,10 +371,11 @@ def quant_gemm_helion(
 
 
 @functools.cache  # on every launch
-def _split_prequantize(config: helion.Config) -> tuple[bool, helion.Config]:
-    """Our ``prequantize`` key, and the config without it (what Helion sees)."""
-    rest = helion.Config(**{key: value for key, value in config.items() if key != PREQUANTIZE})
-    return bool(config.get(PREQUANTIZE, False)), rest
+def _split_key(config: helion.Config, ours: str) -> tuple[bool, helion.Config]:
+    """Our boolean key ``ours`` (``prequantize``, ``paired_loads``), and the config without it (what Helion
+    sees)."""
+    rest = helion.Config(**{key: value for key, value in config.items() if key != ours})
+    return bool(config.get(ours, False)), rest
 
 
 def quantize_rows(x: torch.Tensor, program: QuantProgram) -> tuple[torch.Tensor, torch.Tensor]:
@@ -413,13 +423,14 @@ def int4_gemm_helion(
     (m, k), n = x.shape, packed_kn.shape[1]
     if config is None:
         config = config_for(m, k, n, x.dtype, x.device, config_dir, INT4_FAMILY)
+    paired, config = _split_key(config, PAIRED_LOADS)
     epilogue = tile_epilogue(steps)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     split_k = config.get("split_k", 1)
     target = split_k_target(out, k // 2, split_k)
     scales_kn = group_scales.t()
-    args = (x[:, 0::2], x[:, 1::2], packed_kn, scales_kn, target, operands, scalars, epilogue)
-    compiled_kernel(int4_gemm_kernel, args, (sig, Layout.of(scales_kn)), config, target.shape[0])(*args)
+    args = (x.reshape(m, k // 2, 2), packed_kn, scales_kn, target, operands, scalars, hl.constexpr(paired), epilogue)
+    compiled_kernel(int4_gemm_kernel, args, (sig, Layout.of(scales_kn), paired), config, target.shape[0])(*args)
     return finish_split_k(target, out, split_k, sig, operands, scalars, epilogue)
 
 
@@ -474,9 +485,10 @@ def block_fp8_gemm_helion(
     (m, k), n = x.shape, w_kn.shape[1]
     if config is None:
         config = config_for(m, k, n, x.dtype, x.device, config_dir, FP8_BLOCK_FAMILY)
-    prequantize, config = _split_prequantize(config)
+    prequantize, config = _split_key(config, PREQUANTIZE)
     if prequantize:
-        kernel, rows, config = block_scaled_weight_gemm_kernel, dequantize_groups(x, program), _n_block_within_b(config)
+        kernel, config = block_scaled_weight_gemm_kernel, _n_block_within_b(config)
+        rows = dequantize_groups(x, program)
     else:
         kernel, rows, config = block_fp8_gemm_kernel, x, _block_k_of_one_group(config)
     epilogue = tile_epilogue(steps)
@@ -498,7 +510,8 @@ def dequantize_groups(x: torch.Tensor, program: QuantProgram) -> torch.Tensor:
     out = torch.empty((m, k), dtype=x.dtype, device=x.device)
     grouped = (m, k // FP8_BLOCK, FP8_BLOCK)
     args = (x.reshape(grouped), out.view(grouped), *program_functions(program))
-    compiled_kernel(dequantize_groups_kernel, args, (Layout.of(args[0]), program), DEQUANTIZE_GROUPS_CONFIG, 1)(*args)
+    key = (Layout.of(args[0]), program)
+    compiled_kernel(dequantize_groups_kernel, args, key, DEQUANTIZE_GROUPS_CONFIG, 1)(*args)
     return out
 
 
