@@ -25,6 +25,7 @@ from .vocabulary import (
     INT4_FAMILY,
     MULTI_GEMM_FAMILIES,
     MULTI_GEMM_FAMILY,
+    WEIGHT_ONLY_FAMILY,
 )
 
 Candidate = tuple[int, int, int, int, int, int, str]
@@ -120,18 +121,44 @@ BLOCK_FP8_PREQUANTIZED_CANDIDATES = (
     (32, 32, 256, 4, 3, 1, "pointer"),
     (32, 32, 512, 4, 3, 1, "pointer"),
 )
+# fp8 x fp8 and int8 x int8 in 64-row tiles from M = 2 on: Triton then multiplies with Hopper's wgmma, which
+# reads both operands from shared memory as loaded (fp8 natively), where the 16-row tiles run mma.sync and
+# convert every fp8 weight to f16 in registers first (their PTX, compiled for sm_90 on the CPU). The rows past
+# M are masked, so they cost shared memory and tensor-core time, not HBM traffic. At M = 1 Helion gives the
+# rows a block of 1 whatever the config says, so these would only repeat the 16-row candidates.
+WGMMA_CANDIDATES = (
+    (64, 32, 512, 4, 3, 1, "pointer"),
+    (64, 64, 256, 4, 3, 1, "pointer"),
+    (64, 64, 256, 4, 3, 1, "tensor_descriptor"),
+    (64, 32, 256, 4, 4, 2, "pointer"),
+    (64, 32, 512, 4, 3, 2, "pointer"),
+    (64, 64, 256, 4, 3, 2, "pointer"),
+)
 # Splits beyond this many CTAs only add partial sums to write and read back.
 MAX_SPLIT_CTAS = 4 * NUM_SMS
 
 
-def candidate_configs(m: int, n: int, candidates: Sequence[Candidate] = CANDIDATES,
+def candidate_configs(m: int, n: int, candidates: Sequence[Candidate] = CANDIDATES, pad_rows: bool = False,
                       **extra: object) -> list[helion.Config]:
-    """The candidates that make sense at this M and N (block_m above M and oversplit grids are skipped)."""
+    """The candidates that make sense at this M and N: block_m above M is skipped unless ``pad_rows`` (a
+    16-row block always fits), and so are oversplit grids."""
     return [
         helion.Config(block_sizes=[bm, bn, bk], num_warps=w, num_stages=s, split_k=sk, indexing=ix, **extra)
         for bm, bn, bk, w, s, sk, ix in candidates
-        if (bm <= 16 or m > 16) and (sk == 1 or -(-n // bn) * -(-m // bm) * sk <= MAX_SPLIT_CTAS)
+        if (bm <= 16 or m > 16 or pad_rows) and (sk == 1 or -(-n // bn) * -(-m // bm) * sk <= MAX_SPLIT_CTAS)
     ]
+
+
+def one_byte_candidates(m: int, n: int, **extra: object) -> list[helion.Config]:
+    """The candidates of a GEMM of one-byte inputs (fp8 or int8 rows and weights): the quantized families'
+    tiles, the deep one-byte ones, and from two rows on the 64-row wgmma ones."""
+    tiles = candidate_configs(m, n, QUANT_CANDIDATES + ONE_BYTE_CANDIDATES, **extra)
+    return tiles + wgmma_candidates(m, n, **extra)
+
+
+def wgmma_candidates(m: int, n: int, **extra: object) -> list[helion.Config]:
+    """:data:`WGMMA_CANDIDATES` at this M (none at one row) and N."""
+    return candidate_configs(m, n, WGMMA_CANDIDATES, pad_rows=True, **extra) if m > 1 else []
 
 
 def quant_candidates(key: TuneKey) -> list[helion.Config]:
@@ -147,10 +174,11 @@ def quant_candidates(key: TuneKey) -> list[helion.Config]:
     if key.kernel == FP8_BLOCK_FAMILY:
         return candidate_configs(m, n, BLOCK_FP8_CANDIDATES) + candidate_configs(
             m, n, BLOCK_FP8_PREQUANTIZED_CANDIDATES, **{PREQUANTIZE: True})
-    if not quantizes_its_rows(key):
+    if key.kernel == WEIGHT_ONLY_FAMILY:  # a float activation: the weight is converted in registers anyway
         return candidate_configs(m, n, QUANT_CANDIDATES + ONE_BYTE_CANDIDATES)
-    return candidate_configs(m, n, QUANT_CANDIDATES) + candidate_configs(
-        m, n, QUANT_CANDIDATES + ONE_BYTE_CANDIDATES, **{PREQUANTIZE: True})
+    if not quantizes_its_rows(key):
+        return one_byte_candidates(m, n)
+    return candidate_configs(m, n, QUANT_CANDIDATES) + one_byte_candidates(m, n, **{PREQUANTIZE: True})
 
 
 def glu_candidates(m: int, n: int) -> list[helion.Config]:
@@ -169,11 +197,12 @@ def candidates_for(key: TuneKey) -> list[helion.Config]:
     if key.kernel == GLU_FAMILY:
         return glu_candidates(key.m, key.n)
     if key.kernel in GLU_FAMILIES:  # on quantized rows: the quantized candidates as the gated kernel runs them
-        candidates = candidate_configs(key.m, key.n, QUANT_CANDIDATES + ONE_BYTE_CANDIDATES)
-        return list(dict.fromkeys(glu_kernel_config(c, 1, False) for c in candidates))
+        return list(dict.fromkeys(glu_kernel_config(c, 1, False) for c in one_byte_candidates(key.m, key.n)))
     if key.kernel in MULTI_GEMM_FAMILIES.values():  # no split-K: the outputs' tiles supply the parallelism
-        one_byte = key.kernel != MULTI_GEMM_FAMILY
-        candidates = candidate_configs(key.m, key.n, CANDIDATES + (ONE_BYTE_CANDIDATES if one_byte else ()))
+        candidates = candidate_configs(key.m, key.n, CANDIDATES)
+        if key.kernel != MULTI_GEMM_FAMILY:
+            candidates += candidate_configs(key.m, key.n, ONE_BYTE_CANDIDATES)
+            candidates += wgmma_candidates(key.m, key.n)
         return [c for c in candidates if c["split_k"] == 1]
     if key.kernel in QUANT_FORMAT_OF:
         return quant_candidates(key)

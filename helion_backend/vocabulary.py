@@ -147,6 +147,8 @@ class KernelFamily:
     needs_steps: tuple[str, ...] = ()  # epilogue steps every site of the family has (the gated MLP's up_mul)
 
 
+# The int8 weight-only family: a float activation, the weight converted to its dtype in the K loop.
+WEIGHT_ONLY_FAMILY = "gemm_weight_only"
 # The packed int4 weight-only family (its configs count the K block in bytes, see kernels/configs.py).
 INT4_FAMILY = "gemm_int4"
 # The block fp8 family (its K block is always FP8_BLOCK: one activation group, one weight block).
@@ -158,7 +160,7 @@ KERNEL_FAMILIES: dict[str, KernelFamily] = {
         KernelFamily("gemm", tuple(SUPPORTED_DTYPES), (RMSNORM,)),
         KernelFamily("gemm_fp8", ("float8_e4m3fn",), (ACTIVATION_QUANT_STEPS[torch.float8_e4m3fn],)),
         KernelFamily("gemm_int8", ("int8",), (ACTIVATION_QUANT_STEPS[torch.int8],)),
-        KernelFamily("gemm_weight_only", tuple(SUPPORTED_DTYPES), ("dequant_int8",), needs_prologue=True),
+        KernelFamily(WEIGHT_ONLY_FAMILY, tuple(SUPPORTED_DTYPES), ("dequant_int8",), needs_prologue=True),
         KernelFamily(INT4_FAMILY, tuple(SUPPORTED_DTYPES), ("dequant_int4",), needs_prologue=True),
         KernelFamily(FP8_BLOCK_FAMILY, tuple(SUPPORTED_DTYPES), ("quant_fp8_per_group", "dequant_fp8_block"),
                      needs_prologue=True),

@@ -114,6 +114,17 @@ def test_block_fp8_tries_one_group_blocks_and_prequantized_deeper_ones():
     assert all(c["block_sizes"][1] <= FP8_BLOCK for c in prequantized)
 
 
+@pytest.mark.parametrize("kernel", ["gemm_fp8", "gemm_int8", "gemm_glu_fp8", "gemm_multi_int8"])
+def test_one_byte_gemms_try_64_row_tiles_from_two_rows(kernel):
+    """fp8 and int8 rows by fp8 and int8 weights also try 64-row tiles (Hopper's wgmma) from M = 2 on (at one
+    row Helion ignores the row block); a float activation (weight-only int8) does not."""
+    def row_blocks(family: str, m: int) -> set[int]:
+        return {c["block_sizes"][0] for c in candidates_for(sweep.sweep_keys(family, ["qwen3_8b"], [m])[0])}
+
+    assert row_blocks(kernel, 2) == {16, 64} and row_blocks(kernel, 1) == {16}
+    assert 64 not in row_blocks("gemm_weight_only", 2)
+
+
 def test_int4_tries_each_block_with_both_activation_loads():
     from helion_backend.kernels.configs import PAIRED_LOADS
 
