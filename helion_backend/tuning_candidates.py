@@ -125,7 +125,8 @@ BLOCK_FP8_PREQUANTIZED_CANDIDATES = (
 # reads both operands from shared memory as loaded (fp8 natively), where the 16-row tiles run mma.sync and
 # convert every fp8 weight to f16 in registers first (their PTX, compiled for sm_90 on the CPU). The rows past
 # M are masked, so they cost shared memory and tensor-core time, not HBM traffic. At M = 1 Helion gives the
-# rows a block of 1 whatever the config says, so these would only repeat the 16-row candidates.
+# rows a block of 1 whatever the config says: the single GEMM's wrapper then runs the row as two (the shared
+# launch's and the gated kernel's do not, so there these would only repeat the 16-row candidates).
 WGMMA_CANDIDATES = (
     (64, 32, 512, 4, 3, 1, "pointer"),
     (64, 64, 256, 4, 3, 1, "pointer"),
@@ -149,16 +150,17 @@ def candidate_configs(m: int, n: int, candidates: Sequence[Candidate] = CANDIDAT
     ]
 
 
-def one_byte_candidates(m: int, n: int, **extra: object) -> list[helion.Config]:
+def one_byte_candidates(m: int, n: int, one_row: bool = False, **extra: object) -> list[helion.Config]:
     """The candidates of a GEMM of one-byte inputs (fp8 or int8 rows and weights): the quantized families'
-    tiles, the deep one-byte ones, and from two rows on the 64-row wgmma ones."""
+    tiles, the deep one-byte ones, and the 64-row wgmma ones (:func:`wgmma_candidates`)."""
     tiles = candidate_configs(m, n, QUANT_CANDIDATES + ONE_BYTE_CANDIDATES, **extra)
-    return tiles + wgmma_candidates(m, n, **extra)
+    return tiles + wgmma_candidates(m, n, one_row, **extra)
 
 
-def wgmma_candidates(m: int, n: int, **extra: object) -> list[helion.Config]:
-    """:data:`WGMMA_CANDIDATES` at this M (none at one row) and N."""
-    return candidate_configs(m, n, WGMMA_CANDIDATES, pad_rows=True, **extra) if m > 1 else []
+def wgmma_candidates(m: int, n: int, one_row: bool = False, **extra: object) -> list[helion.Config]:
+    """:data:`WGMMA_CANDIDATES` at this M and N; at one row only for a kernel that runs the row as two
+    (``one_row``)."""
+    return candidate_configs(m, n, WGMMA_CANDIDATES, pad_rows=True, **extra) if m > 1 or one_row else []
 
 
 def quant_candidates(key: TuneKey) -> list[helion.Config]:
@@ -177,8 +179,9 @@ def quant_candidates(key: TuneKey) -> list[helion.Config]:
     if key.kernel == WEIGHT_ONLY_FAMILY:  # a float activation: the weight is converted in registers anyway
         return candidate_configs(m, n, QUANT_CANDIDATES + ONE_BYTE_CANDIDATES)
     if not quantizes_its_rows(key):
-        return one_byte_candidates(m, n)
-    return candidate_configs(m, n, QUANT_CANDIDATES) + one_byte_candidates(m, n, **{PREQUANTIZE: True})
+        return one_byte_candidates(m, n, one_row=True)
+    return candidate_configs(m, n, QUANT_CANDIDATES) + one_byte_candidates(m, n, one_row=True,
+                                                                           **{PREQUANTIZE: True})
 
 
 def glu_candidates(m: int, n: int) -> list[helion.Config]:

@@ -83,6 +83,33 @@ def test_fused_quantized_linear_matches_the_unfused_graph(fmt, fused, m):
         assert "gelu_tanh" in site.epilogue and site.epilogue[-1] == "residual", site.epilogue
 
 
+@pytest.mark.parametrize("m", [1, 2, 8, 32])
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("qdtype", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])
+def test_quant_kernel_64_row_tiles(qdtype, split_k, m):
+    """64-row tiles (Hopper's wgmma) on quantized rows, M below the block (one row runs as two)."""
+    import helion
+
+    from helion_backend.dispatch import reference
+    from helion_backend.kernels.configs import PREQUANTIZE
+    from helion_backend.kernels.quant_gemm import quant_gemm_helion
+    from helion_backend.quantize import Fp8DynamicLinear, Int8DynamicLinear
+
+    torch.manual_seed(m)
+    linear = nn.Linear(4096, 512).to(device="cuda", dtype=torch.bfloat16)
+    module = (Fp8DynamicLinear if qdtype == torch.float8_e4m3fn else Int8DynamicLinear).from_linear(linear)
+    program = _program_of(module)
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    scale = module.weight_scale.reshape(-1).float()
+    steps, operands = ("act_scale", "channel_scale", "bias"), [scale.expand(512), linear.bias.detach()]
+    config = helion.Config(block_sizes=[64, 32, 512], num_warps=4, num_stages=3, split_k=split_k,
+                           **{PREQUANTIZE: True})
+    out = quant_gemm_helion(x, module.qweight.t(), steps, operands, [], torch.bfloat16, program, config=config,
+                            kernel_family="gemm_fp8" if qdtype == torch.float8_e4m3fn else "gemm_int8")
+    assert out.shape == (m, 512)
+    assert sqnr_db(reference(x, module.qweight.t(), steps, operands, [], torch.bfloat16, program), out) >= 40
+
+
 @pytest.mark.parametrize("prequantize", [False, True], ids=["fused_scales", "prequantize"])
 @pytest.mark.parametrize("split_k", [1, 2, 4])
 @pytest.mark.parametrize("qdtype", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])

@@ -249,26 +249,31 @@ def test_dynamic_int8_kernel_matches_the_unfused_graph(split_k, prequantize):
     assert rel_err(out, ref.double()) <= 1e-5
 
 
+@pytest.mark.parametrize("m, block_m", [(5, 16), (1, 64)])
 @pytest.mark.parametrize("split_k", [1, 2])
-def test_int8_kernel_on_rows_quantized_before_it(split_k):
+def test_int8_kernel_on_rows_quantized_before_it(split_k, m, block_m):
     """The default compile's int8 site: rows Inductor quantized, multiplied as they are in one launch (the
     shipped configs' ``prequantize`` has nothing to quantize), their [M, 1] scale applied by ``token_scale``
-    after the int32 -> fp32 cast, in the graph's order."""
+    after the int32 -> fp32 cast, in the graph's order. One row under a 64-row block runs as two identical
+    rows (so that the block holds), the per-row scale with it."""
     from helion_backend.dispatch import flatten_operands, reference
     from helion_backend.kernels.configs import PREQUANTIZE
     from helion_backend.kernels.gemm import record_launches
     from helion_backend.kernels.quant_gemm import lowp_gemm_kernel, quant_gemm_helion
 
-    m, k, n = 5, 600, 40
+    k, n = 600, 40
     xq, scale = int8_per_token(torch.randn(m, k))
     w_kn = torch.randint(-128, 128, (n, k), dtype=torch.int8).t()
     steps = ("cast", "token_scale", "channel_scale", "bias", "relu")
     operands = flatten_operands([scale, torch.rand(n) + 0.5, torch.randn(n)], steps, n)
-    config = helion.Config(block_sizes=BLOCKS, num_warps=4, num_stages=1, split_k=split_k, **{PREQUANTIZE: True})
+    config = helion.Config(block_sizes=[block_m, *BLOCKS[1:]], num_warps=4, num_stages=1, split_k=split_k,
+                           **{PREQUANTIZE: True})
     with record_launches() as launches:
         out = quant_gemm_helion(xq, w_kn, steps, operands, [], torch.float32, None, config=config,
                                 kernel_family="gemm_int8")
-    assert [launch.kernel for launch in launches if launch.kernel.name != "epilogue_kernel"] == [lowp_gemm_kernel]
+    gemms = [launch for launch in launches if launch.kernel.name != "epilogue_kernel"]
+    assert [launch.kernel for launch in gemms] == [lowp_gemm_kernel]
+    assert gemms[0].args[0].shape[0] == max(m, 2) and out.shape == (m, n) and out.is_contiguous()
     ref = reference(xq, w_kn, steps, operands, [], torch.float32)
     assert rel_err(out, ref.double()) <= 1e-5
 

@@ -358,6 +358,12 @@ def quant_gemm_helion(
         operands = [scale.view(m, 1).expand(m, n), *operands]
         return quant_gemm_helion(quantized, w_kn, steps, operands, scalars, out_dtype, None, config=config,
                                  kernel_family=kernel_family)
+    if m == 1 and program is None and config.get("block_sizes", [0])[0] > 16:
+        # One row gets a row block of 1 whatever the config says (Helion pads the dot itself, for mma.sync);
+        # two identical rows take the config's block, and 64 rows run Hopper's wgmma.
+        rows = [op if op.ndim == 1 else _two_rows(op) for op in operands]
+        return quant_gemm_helion(_two_rows(x), w_kn, steps, rows, scalars, out_dtype, None, config=config,
+                                 kernel_family=kernel_family)[:1]
     epilogue = tile_epilogue(steps)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     split_k = config.get("split_k", 1)
@@ -376,6 +382,11 @@ def _split_key(config: helion.Config, ours: str) -> tuple[bool, helion.Config]:
     sees)."""
     rest = helion.Config(**{key: value for key, value in config.items() if key != ours})
     return bool(config.get(ours, False)), rest
+
+
+def _two_rows(t: torch.Tensor) -> torch.Tensor:
+    """A one-row [1, ...] tensor as two identical rows: a stride-0 view, nothing copied."""
+    return t.expand(2, *t.shape[1:])
 
 
 def quantize_rows(x: torch.Tensor, program: QuantProgram) -> tuple[torch.Tensor, torch.Tensor]:
@@ -470,12 +481,10 @@ def block_fp8_gemm_helion(
     if x.shape[0] == 1:
         # Helion 1.4 cannot lower the per-group amax of a single row (a reduction over the constant K block
         # of a [1, B] tile fails an assertion), and the call would fall back to the unfused reference: run
-        # the row twice (stride-0 views, nothing copied) and keep one.
-        def twice(t: torch.Tensor) -> torch.Tensor:
-            return t.expand(2, *t.shape[1:])
-
-        out = block_fp8_gemm_helion(twice(x), w_kn, block_scales, steps, [op if op.ndim == 1 else twice(op)
-                                    for op in operands], scalars, out_dtype, program, config, config_dir)
+        # the row twice and keep one.
+        rows = [op if op.ndim == 1 else _two_rows(op) for op in operands]
+        out = block_fp8_gemm_helion(_two_rows(x), w_kn, block_scales, steps, rows, scalars, out_dtype,
+                                    program, config, config_dir)
         return out[:1]
     steps, operands, scalars = tuple(steps), list(operands), [float(s) for s in scalars]
     _check_block_fp8_inputs(x, w_kn, block_scales, program)
