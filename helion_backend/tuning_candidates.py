@@ -165,10 +165,11 @@ def wgmma_candidates(m: int, n: int, one_row: bool = False, **extra: object) -> 
 
 def quant_candidates(key: TuneKey) -> list[helion.Config]:
     """A quantized family's candidates: int4's own K blocks, each also with ``paired_loads``; block fp8's
-    one-group K blocks, and with ``prequantize`` deeper ones; the one-byte deep tiles for the rest. A site
-    that quantizes its own rows also tries each with ``prequantize`` (the rows quantized once, by a kernel of
-    their own), and the deep tiles only so, as that won every such fp8 and int8 key; for any other site the
-    key would change nothing, and each config is timed once."""
+    one-group K blocks, and with ``prequantize`` deeper ones; the one-byte deep tiles for the rest, and for
+    fp8 and int8 rows the 64-row ones. A site that quantizes its own rows also tries each with ``prequantize``
+    (the rows quantized once, by a kernel of their own), and the deep and 64-row tiles only so, as that won
+    every such fp8 and int8 key; for any other site the key would change nothing, and each config is timed
+    once."""
     m, n = key.m, key.n
     if key.kernel == INT4_FAMILY:
         return candidate_configs(m, n, INT4_CANDIDATES) + candidate_configs(
