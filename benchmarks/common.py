@@ -22,6 +22,7 @@ from helion_backend.timing import (  # noqa: F401  (re-exported for the benchmar
     median_replays_ms,
     package_version,
     relative_error,
+    rotated,
     run_metadata,
     time_callable_us,
     time_wallclock_us,

@@ -91,6 +91,7 @@ from benchmarks.common import (
     metadata_union,
     read_result_files,
     relative_error,
+    rotated,
     run_metadata,
     write_result_files,
 )
@@ -415,7 +416,7 @@ def interleaved_wall_us(steps: Mapping[str, Callable[[], object]], total_steps: 
     per_turn = max(1, total_steps // rounds)
     samples: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in rotated(names, r):
             steps[name]()
             synchronize(device)
             samples[name] += wall_samples(steps[name], per_turn, device)

@@ -76,6 +76,13 @@ def median_replay_ms(graph: torch.cuda.CUDAGraph, config: TimingConfig) -> float
     return median_replays_ms({"graph": graph}, config)["graph"]
 
 
+def rotated(names: Sequence[str], turn: int) -> list[str]:
+    """``names`` starting at the ``turn``-th (cyclically): the order of one round of variants taking turns, so
+    that over the rounds each goes first equally often."""
+    start = turn % len(names)
+    return [*names[start:], *names[:start]]
+
+
 def median_replays_ms(graphs: Mapping[str, torch.cuda.CUDAGraph], config: TimingConfig) -> dict[str, float]:
     """Median GPU time of one replay of each of ``graphs`` in milliseconds, each replay timed by CUDA events.
 
@@ -90,7 +97,7 @@ def median_replays_ms(graphs: Mapping[str, torch.cuda.CUDAGraph], config: Timing
     torch.cuda.synchronize()
     events: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {name: [] for name in names}
     for turn in range(config.replays):
-        for name in names[turn % len(names):] + names[:turn % len(names)]:
+        for name in rotated(names, turn):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             graphs[name].replay()

@@ -18,7 +18,7 @@ and the site runs ``lowp_gemm_kernel`` on the quantized rows: the two paths abov
 only with the option ``fuse_activation_quant``.
 
 ``lowp_gemm_kernel`` multiplies inputs as they come: fp8 x fp8 or int8 x int8 (already quantized), or a
-float activation with an int8 weight converted block by block (weight-only).
+float activation with a one-byte weight converted block by block (int8 weight-only, block fp8's weight).
 
 ``int4_gemm_kernel`` reads a packed int4 weight (two columns of K per byte) and its group scales, and
 dequantizes each block in registers exactly as the graph did (nibble, minus the zero point, times the
@@ -28,8 +28,8 @@ stride-2 views.
 
 ``block_fp8_gemm_kernel`` quantizes each 1 x B group of the activation in its K loop, one group a step.
 With ``prequantize`` block fp8 runs two kernels instead: ``dequantize_groups_kernel`` quantizes every group
-once and multiplies it back by its scale, and ``block_scaled_weight_gemm_kernel`` multiplies those rows by
-the fp8 weight scaled block by block as it is loaded, in K blocks of any depth.
+once and multiplies it back by its scale, and ``lowp_gemm_kernel`` multiplies those rows by the fp8 weight
+scaled block by block as it is loaded, in K blocks of any depth.
 
 Split-K works as in :mod:`.gemm`: each split stores its fp32 partial sums (already rescaled by the
 per-token scale, which distributes over the sum) and :func:`.gemm.epilogue_kernel` finishes.
@@ -137,12 +137,16 @@ def quantize_rows_kernel(
 def lowp_gemm_kernel(
     x: torch.Tensor,
     w: torch.Tensor,
+    w_scale: torch.Tensor | None,
     out: torch.Tensor,
     operands: list[torch.Tensor],
     scalars: list[float],
     epilogue: Callable[..., torch.Tensor],
 ) -> None:
-    """``out[0] = epilogue(x @ w)`` for fp8/int8 inputs, or a float x with an int8 w converted in the loop."""
+    """``out[0] = epilogue(x @ w)`` for fp8/int8 inputs, or a float x with a one-byte w converted in the
+    loop: int8 (weight-only), or fp8 with its block scales ``w_scale`` [K/B, N/B], every weight row times its
+    block's scale before the multiply (block fp8 on rows dequantized before the call; an N tile lies inside
+    one weight block, so a row's scale is one load). Helion specializes ``w_scale=None`` away."""
     m, k = x.size()
     n = w.size(1)
     split_k = hl.register_tunable("split_k", PowerOfTwoFragment(1, 64, 1))
@@ -151,7 +155,13 @@ def lowp_gemm_kernel(
     for tile_m, tile_n, tile_split in hl.tile([m, n, k], block_size=[None, None, k_per_split]):
         acc = hl.zeros([tile_m, tile_n], dtype=acc_dtype)
         for tile_k in hl.tile(tile_split.begin, tile_split.end):
-            acc = hl.dot(x[tile_m, tile_k], w[tile_k, tile_n].to(x.dtype), acc=acc)
+            if w_scale is None:
+                weight = w[tile_k, tile_n].to(x.dtype)
+            else:
+                block = k // w_scale.size(0)  # B as a constant (a module global would be a kernel argument)
+                row_scale = w_scale[tile_k.index // block, tile_n.begin // block]
+                weight = (w[tile_k, tile_n].to(torch.float32) * row_scale[:, None]).to(x.dtype)
+            acc = hl.dot(x[tile_m, tile_k], weight, acc=acc)
         result = acc.to(torch.float32)
         if split_k == 1:
             result = epilogue(result, operands, scalars, tile_m, tile_n)
@@ -263,41 +273,6 @@ def dequantize_groups_kernel(
         out[tile_m, tile_g, :] = dequantized.to(out.dtype)
 
 
-@helion.kernel(static_shapes=True, autotune_effort="none", dot_precision="ieee")
-def block_scaled_weight_gemm_kernel(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    w_scale: torch.Tensor,
-    out: torch.Tensor,
-    operands: list[torch.Tensor],
-    scalars: list[float],
-    epilogue: Callable[..., torch.Tensor],
-) -> None:
-    """``out[0] = epilogue(x @ (w * sb))`` with ``split_k == 1``, for the block fp8 weight ``w`` [K, N] and its
-    block scales ``w_scale`` [K/B, N/B]; else ``out[i]`` = split i's part.
-
-    Each step converts its fp8 weight tile to ``x``'s dtype, every row times its block's scale, and multiplies
-    in that dtype: at M <= 16 Triton multiplies fp8 on Hopper through 16-bit MMAs anyway, and a tile no longer
-    has to stop at each group's boundary, so its K block is free. An N tile lies inside one weight block
-    (``block_n`` divides B), so a row's scale is one load per K row.
-    """
-    m, k = x.size()
-    n = w.size(1)
-    block = k // w_scale.size(0)  # B, a constant of the compiled kernel (a module global would be an argument)
-    split_k = hl.register_tunable("split_k", PowerOfTwoFragment(1, 64, 1))
-    k_per_split = helion.cdiv(helion.cdiv(k, split_k), 256) * 256
-    for tile_m, tile_n, tile_split in hl.tile([m, n, k], block_size=[None, None, k_per_split]):
-        acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
-        for tile_k in hl.tile(tile_split.begin, tile_split.end):
-            row_scale = w_scale[tile_k.index // block, tile_n.begin // block]
-            weight = (w[tile_k, tile_n].to(torch.float32) * row_scale[:, None]).to(x.dtype)
-            acc = hl.dot(x[tile_m, tile_k], weight, acc=acc)
-        result = acc
-        if split_k == 1:
-            result = epilogue(result, operands, scalars, tile_m, tile_n)
-        out[tile_split.id, tile_m, tile_n] = result.to(out.dtype)
-
-
 def program_functions(program: QuantProgram) -> tuple[Callable, Callable, Callable]:
     """The program's three parts as device functions. Their closures hold only the program's JSON text:
     Helion keys callables by their closures (so one compiled kernel serves every site with the same
@@ -371,7 +346,7 @@ def quant_gemm_helion(
     if program is not None:
         kernel, args = quant_gemm_kernel, (x, w_kn, target, operands, scalars, *program_functions(program), epilogue)
     else:
-        kernel, args = lowp_gemm_kernel, (x, w_kn, target, operands, scalars, epilogue)
+        kernel, args = lowp_gemm_kernel, (x, w_kn, None, target, operands, scalars, epilogue)
     compiled_kernel(kernel, args, (sig, program), config, target.shape[0])(*args)
     return finish_split_k(target, out, split_k, sig, operands, scalars, epilogue)
 
@@ -495,18 +470,18 @@ def block_fp8_gemm_helion(
     if config is None:
         config = config_for(m, k, n, x.dtype, x.device, config_dir, FP8_BLOCK_FAMILY)
     prequantize, config = _split_key(config, PREQUANTIZE)
-    if prequantize:
-        kernel, config = block_scaled_weight_gemm_kernel, _n_block_within_b(config)
-        rows = dequantize_groups(x, program)
-    else:
-        kernel, rows, config = block_fp8_gemm_kernel, x, _block_k_of_one_group(config)
+    config = _n_block_within_b(config) if prequantize else _block_k_of_one_group(config)
     epilogue = tile_epilogue(steps)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     split_k = config.get("split_k", 1)
     target = split_k_target(out, k, split_k)
     scales_kn = block_scales.t()
-    quantizes = () if prequantize else program_functions(program)
-    args = (rows, w_kn, scales_kn, target, operands, scalars, *quantizes, epilogue)
+    if prequantize:
+        kernel = lowp_gemm_kernel
+        args = (dequantize_groups(x, program), w_kn, scales_kn, target, operands, scalars, epilogue)
+    else:
+        kernel = block_fp8_gemm_kernel
+        args = (x, w_kn, scales_kn, target, operands, scalars, *program_functions(program), epilogue)
     key = (sig, Layout.of(scales_kn), program)
     compiled_kernel(kernel, args, key, config, target.shape[0])(*args)
     return finish_split_k(target, out, split_k, sig, operands, scalars, epilogue)
