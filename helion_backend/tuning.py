@@ -12,8 +12,8 @@ quantized ones. For each key, with the key's :class:`~.tuning_problems.Problem`,
      search: about 5-10 s a key on an H200, cheap enough to cover every key of the shipped tables
      (``benchmarks/sweep_gemm_configs.py --write-manifest`` lists them);
    - ``quick`` and ``full`` (Helion's presets): Helion's autotuner on the family's GEMM kernel, once per
-     value of the family's config keys that a search cannot explore (``split_k``, and ``prequantize`` for
-     fp8/int8 sites that quantize their activation; see :mod:`.tuning_problems`), seeded with the config
+     value of the family's config keys that a search cannot explore (``split_k``, and ours: ``prequantize``,
+     ``paired_loads``, ``gemv``; see :mod:`.tuning_problems`), seeded with the config
      the backend runs today; the searches share the key's ``--budget-per-key`` (30-300 s a key);
 2. runs each candidate, and today's config (so that no key ends slower than it was), end to end through
    the family's wrapper (split-K finishing pass and config adaptation included) against the reference and

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 import helion
 import torch
 
-from .kernels.configs import NUM_SMS, PAIRED_LOADS, PREQUANTIZE
+from .kernels.configs import GEMV, NUM_SMS, PAIRED_LOADS, PREQUANTIZE
 from .kernels.gemm import glu_kernel_config
-from .tuning_problems import QUANT_FORMAT_OF, TuneKey, quantizes_its_rows
+from .tuning_problems import QUANT_FORMAT_OF, TuneKey, quantizes_its_rows, wrapper_keys
 from .vocabulary import (
     FP8_BLOCK,
     FP8_BLOCK_FAMILY,
@@ -64,6 +64,22 @@ CANDIDATES: tuple[Candidate, ...] = (
     # at M = 16; H200, twelfth session).
     (32, 16, 512, 4, 3, 1, "pointer"),
     (32, 16, 256, 4, 4, 1, "pointer"),
+)
+# One row of 16-bit inputs as a GEMV (``gemv``: each K step multiplied and summed in registers, no dot).
+# With ``mode="max-autotune"`` Inductor rewrites a one-row ``mm`` as a multiply and a sum, and its reduction
+# kernel beat our one-row dot by 0.7-3.9 us on every Qwen3 shape without a bias (H200, thirteenth session).
+# So: narrow N tiles (down to one column) and deep K steps, for hundreds of programs without split-K and
+# 16-byte loads along K (the weight's contiguous dimension). One stage: the PTX of this loop has no cp.async
+# at three (Triton pipelines the loads that feed a dot).
+GEMV_CANDIDATES = (
+    (16, 1, 4096, 4, 1, 1, "pointer"),
+    (16, 2, 2048, 4, 1, 1, "pointer"),
+    (16, 4, 1024, 4, 1, 1, "pointer"),
+    (16, 4, 2048, 8, 1, 1, "pointer"),
+    (16, 8, 512, 4, 1, 1, "pointer"),
+    (16, 8, 1024, 4, 1, 1, "pointer"),
+    (16, 16, 512, 4, 1, 1, "pointer"),
+    (16, 8, 1024, 8, 1, 2, "pointer"),
 )
 # The quantized families: the candidates that did best in the first fp8/int8 sweep, each with the
 # activation quantized inside the GEMM kernel and, once, by a kernel of its own (``prequantize``).
@@ -210,4 +226,6 @@ def candidates_for(key: TuneKey) -> list[helion.Config]:
         return [c for c in candidates if c["split_k"] == 1]
     if key.kernel in QUANT_FORMAT_OF:
         return quant_candidates(key)
+    if GEMV in wrapper_keys(key):
+        return candidate_configs(key.m, key.n) + candidate_configs(key.m, key.n, GEMV_CANDIDATES, **{GEMV: True})
     return candidate_configs(key.m, key.n)

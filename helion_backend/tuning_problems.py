@@ -11,8 +11,9 @@ runs today, and the family's config keys that one Helion search cannot explore (
 - ``split_k``: a split writes fp32 partial sums to a workspace of another shape and needs a finishing pass
   the autotuner never sees, so each split is searched on its own, with ``split_k`` fixed;
 - ``prequantize`` (fp8 and int8 sites that quantize their activation, option ``fuse_activation_quant``, and
-  block fp8) and ``paired_loads`` (int4): ours, not Helion's; with them the wrapper launches another GEMM
-  kernel (on rows quantized by a kernel of their own; reading the activation as pairs).
+  block fp8), ``paired_loads`` (int4) and ``gemv`` (the 16-bit GEMM at one row): ours, not Helion's; with
+  them the wrapper launches another GEMM kernel (on rows quantized by a kernel of their own; reading the
+  activation as pairs; multiplying and summing without a dot).
 
 Each :class:`Search` captures, on the GPU, the GEMM launch the wrapper makes for its seed config
 (:func:`~.kernels.gemm.record_launches`): the kernel, its arguments and the config as that kernel takes
@@ -85,7 +86,7 @@ QUANT_ACTIVATION_DTYPE = "bfloat16"  # of fp8/int8 sites, whose manifest dtype i
 # The helion_backend.quantize format whose layers each quantized family runs.
 QUANT_FORMAT_OF = {"gemm_fp8": "fp8_dynamic", "gemm_int8": "int8_dynamic", "gemm_weight_only": "int8_weight_only",
                    INT4_FAMILY: "int4_weight_only", FP8_BLOCK_FAMILY: "fp8_block"}
-SPLIT_K, PREQUANTIZE, PAIRED_LOADS = "split_k", configs.PREQUANTIZE, configs.PAIRED_LOADS
+SPLIT_K, PREQUANTIZE, PAIRED_LOADS, GEMV = "split_k", configs.PREQUANTIZE, configs.PAIRED_LOADS, configs.GEMV
 HELION_TUNABLES = frozenset({SPLIT_K})  # of the searched keys, those Helion's autotuner can hold fixed
 # Launches around the GEMM, never tuned.
 _HELPER_KERNELS = (epilogue_kernel, quantize_rows_kernel, dequantize_groups_kernel)
@@ -298,7 +299,7 @@ def _float_problem(key: TuneKey, device: torch.device) -> Problem:
         searched = {}
     else:
         to_table = gemm_config_of_norm_kernel if key.normed else (lambda config: config)
-        searched = {SPLIT_K: configs.split_k_choices(key.k)}
+        searched = {SPLIT_K: configs.split_k_choices(key.k), **wrapper_keys(key)}
     return Problem(
         run=lambda config, i: calls[i % len(calls)].kernel(key.kernel, config),
         reference=calls[0].float64().unfused(),
@@ -318,11 +319,13 @@ def quantizes_its_rows(key: TuneKey) -> bool:
 def wrapper_keys(key: TuneKey) -> dict[str, tuple[bool, ...]]:
     """Our config keys that make ``key``'s wrapper run another kernel, with their values: ``prequantize`` for a
     site that quantizes its own rows (:func:`quantizes_its_rows`) and for block fp8 (whose kernel always
-    quantizes its groups itself), ``paired_loads`` for int4."""
+    quantizes its groups itself), ``paired_loads`` for int4, ``gemv`` for the 16-bit GEMM at one row."""
     if quantizes_its_rows(key) or key.kernel == FP8_BLOCK_FAMILY:
         return {PREQUANTIZE: (False, True)}
     if key.kernel == INT4_FAMILY:
         return {PAIRED_LOADS: (False, True)}
+    if key.kernel == DEFAULT_KERNEL_FAMILY and key.m == 1:
+        return {GEMV: (False, True)}
     return {}
 
 

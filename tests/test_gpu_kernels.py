@@ -15,6 +15,7 @@ from helion_backend.epilogue import apply_epilogue, operand_kinds
 from helion_backend.kernels import configs, gemm
 from helion_backend.kernels.gemm import gemm_epilogue_helion, glu_gemm_helion
 from helion_backend.norm import RmsNormSpec, rms_norm
+from helion_backend.tuning_candidates import GEMV_CANDIDATES, candidate_configs
 from helion_backend.vocabulary import EPILOGUE_STEPS, Operand
 
 pytestmark = pytest.mark.gpu
@@ -71,18 +72,20 @@ def with_split_k(config: helion.Config, split_k: int) -> helion.Config:
     return helion.Config(**{**config, "split_k": split_k})
 
 
-def check(m, k, n, dtype, layout, steps, split_k=None, out_dtype=None) -> None:
-    """One call against the float64 reference; ``split_k`` None keeps the default config's."""
+def check(m, k, n, dtype, layout, steps, split_k=None, out_dtype=None, config=None, norm=None) -> None:
+    """One call against the float64 reference (of the RMS-normalized rows with ``norm``); ``config`` None is the
+    default config, ``split_k`` None keeps its split."""
     x, w_kn, operands, scalars = inputs(m, k, n, dtype, layout, steps)
-    config = configs.default_config(m, k, n, dtype)
+    config = config or configs.default_config(m, k, n, dtype)
     if split_k is not None:
         config = with_split_k(config, split_k)
     poison_allocator(m, n)
     flat = flatten_operands(operands, steps, n)  # broadcast views, as the fused op passes them
-    out = gemm_epilogue_helion(x, w_kn, steps, flat, scalars, out_dtype or dtype, config)
+    out = gemm_epilogue_helion(x, w_kn, steps, flat, scalars, out_dtype or dtype, config, norm=norm)
     assert out.shape == (m, n) and out.dtype == (out_dtype or dtype) and out.is_contiguous()
     assert not out.isnan().any()
-    assert rel_err(out, float64_reference(x, w_kn, steps, operands, scalars)) <= TOLERANCE[dtype]
+    rows = x if norm is None else rms_norm(x, *norm)
+    assert rel_err(out, float64_reference(rows, w_kn, steps, operands, scalars)) <= TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("split_k", [1, 4])
@@ -96,6 +99,33 @@ def test_transposed_weight(m, dtype, split_k):
 @pytest.mark.parametrize("m", [1, 33, 512])
 def test_plain_weight(m, split_k):
     check(m, K, N, torch.bfloat16, "kn", EPILOGUE, split_k)
+
+
+GEMV_CONFIGS = candidate_configs(1, N, GEMV_CANDIDATES, **{configs.GEMV: True})
+
+
+def config_id(config: helion.Config) -> str:
+    return "x".join(map(str, config["block_sizes"])) + f"-split{config['split_k']}"
+
+
+@pytest.mark.parametrize("config", GEMV_CONFIGS, ids=config_id)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 5])
+def test_gemv_form(m, dtype, config):
+    """The sweep's GEMV tiles (``gemv``: no dot, N tiles down to one column), at one row and, as a table entry
+    of one row would serve a lookup from more where no other entry exists, at five."""
+    check(m, K, N, dtype, "nk", EPILOGUE, config=config)
+
+
+@pytest.mark.parametrize("gemv", [False, True], ids=["dot", "gemv"])
+def test_gemm_with_rmsnorm_at_one_row(gemv):
+    """The RMSNorm prologue of the single GEMM at one row (its sums of squares from the K loop), dot or GEMV;
+    against the graph's norm in float64 (the kernel rounds x * weight instead, within bf16's tolerance)."""
+    norm = ((torch.randn(K, device="cuda") * 0.1 + 1).to(torch.bfloat16), RmsNormSpec(1e-6, True))
+    config = helion.Config(**{**configs.default_config(1, K, N, torch.bfloat16), configs.GEMV: gemv})
+    if gemv:
+        config = helion.Config(**{**config, "block_sizes": [16, 4, 1024], "split_k": 1})
+    check(1, K, N, torch.bfloat16, "nk", EPILOGUE, config=config, norm=norm)
 
 
 @pytest.mark.parametrize("split_k", [1, 2])

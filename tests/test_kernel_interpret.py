@@ -133,6 +133,19 @@ def test_shapes_layouts_and_split_k(m, dtype, layout, split_k):
     assert rel_err(out, ref) <= TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("block_n", [1, 8])
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("dtype, layout", [(torch.float32, "nk"), (torch.bfloat16, "nk"), (torch.bfloat16, "kn")])
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_form_matches_float64(m, dtype, layout, split_k, block_n):
+    """``gemv``: each K step multiplied and summed in registers, N tiles down to one column,
+    partial K and N tiles, split or not. A linear epilogue, so that no error is squashed."""
+    config = helion.Config(block_sizes=[16, block_n, 32], num_warps=4, num_stages=1, split_k=split_k,
+                           **{configs.GEMV: True})
+    out, ref = run(m, 300, 40, dtype, layout, ("bias", "scale", "residual"), split_k, config=config)
+    assert rel_err(out, ref) <= TOLERANCE[dtype]
+
+
 @pytest.mark.parametrize("split_k", [1, 2])
 @pytest.mark.parametrize("steps", [(), *((s,) for s in INTERPRETABLE_STEPS)], ids=str)
 def test_each_step(steps, split_k):
@@ -419,11 +432,13 @@ NORM_ROWS = [1, 5]
 
 
 @pytest.mark.parametrize("m", NORM_ROWS)
-@pytest.mark.parametrize("spelling", ["hf", "nn_rmsnorm"])
+@pytest.mark.parametrize("spelling, gemv", [("hf", False), ("nn_rmsnorm", False), ("hf", True)],
+                         ids=["hf", "nn_rmsnorm", "hf-gemv"])
 @pytest.mark.parametrize("split_k", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rmsnorm_prologue_kernel_matches_the_unfused_graph(dtype, split_k, spelling, m):
-    """Rows normalized over all of K (several partial K blocks, split or not), then multiplied."""
+def test_rmsnorm_prologue_kernel_matches_the_unfused_graph(dtype, split_k, spelling, m, gemv):
+    """Rows normalized over all of K (several partial K blocks, split or not), then multiplied (by a dot, or
+    as a GEMV)."""
     from helion_backend.dispatch import reference
     from helion_backend.norm import rms_norm
     from helion_backend.passes.trace import trace_sites
@@ -436,7 +451,7 @@ def test_rmsnorm_prologue_kernel_matches_the_unfused_graph(dtype, split_k, spell
     spec = site.rms_norm.spec
     assert spec.round_before_weight == (spelling == "hf" and dtype != torch.float32)
     w_kn, steps, operands = linear.weight.detach().t(), ("relu", "residual"), [torch.randn(m, n, dtype=dtype)]
-    config = helion.Config(block_sizes=BLOCKS, num_warps=4, num_stages=1, split_k=split_k)
+    config = helion.Config(block_sizes=BLOCKS, num_warps=4, num_stages=1, split_k=split_k, **{configs.GEMV: gemv})
     with torch.no_grad():
         out = gemm_epilogue_helion(x, w_kn, steps, operands, [], dtype, config, norm=(norm.weight, spec))
         ref = reference(rms_norm(x, norm.weight, spec), w_kn, steps, operands, [], dtype)

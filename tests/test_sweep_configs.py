@@ -136,6 +136,19 @@ def test_int4_tries_each_block_with_both_activation_loads():
     assert paired and paired == {c for c in candidates if not c.get(PAIRED_LOADS)}
 
 
+def test_the_16_bit_gemm_tries_gemv_tiles_at_one_row():
+    """At one row the single GEMM also tries the GEMV form (``gemv``), with N tiles down to one column; not from
+    two rows, and not the gated or shared-launch kernels, which always dot."""
+    from helion_backend.kernels.configs import GEMV
+
+    def gemv_configs(family: str, m: int) -> list[helion.Config]:
+        return [c for c in candidates_for(sweep.sweep_keys(family, ["qwen3_8b"], [m])[0]) if c.get(GEMV)]
+
+    one_row = gemv_configs("gemm", 1)
+    assert one_row and min(c["block_sizes"][1] for c in one_row) == 1
+    assert not (gemv_configs("gemm", 2) or gemv_configs("gemm_glu", 1) or gemv_configs("gemm_multi", 1))
+
+
 def test_the_suites_manifest_expands_in_the_tune_command_to_the_keys_the_script_sweeps(tmp_path, capsys):
     path = tmp_path / "suites.json"
     sweep.main(["--kernel", "all", "--write-manifest", str(path)])

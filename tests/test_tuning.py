@@ -496,6 +496,14 @@ def test_every_family_searches_its_own_keys_and_records_the_table_layout(kernel,
     assert configs.config_for(k.m, k.k, k.n, dtype, CUDA, str(cpu_table_dir), kernel) == best
 
 
+@pytest.mark.parametrize("m, ours", [(1, {configs.GEMV: (False, True)}), (2, {})])
+def test_the_16_bit_gemm_searches_its_gemv_form_at_one_row_only(m, ours):
+    """Helion's search cannot switch between a dot and a GEMV (a constant of ours), so at one row each split is
+    searched both ways; from two rows the GEMV's broadcast would multiply the registers by the row tile."""
+    problem = build_problem(TuneKey("gemm", ("bias",), "bfloat16", 2048, 128, m), torch.device("cpu"))
+    assert dict(problem.searched) == {"split_k": configs.split_k_choices(2048), **ours}
+
+
 @pytest.mark.parametrize("tune_key, message", [
     (TuneKey("gemm_multi", (), "bfloat16", 256, 384, 1), "gemm_multi site recorded without its outputs' widths"),
     (TuneKey("gemm_fp8", ("act_scale",), "float8_e4m3fn", 256, 256, 1),  # pre-quantized: its scale is token_scale

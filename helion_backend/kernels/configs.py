@@ -38,10 +38,21 @@ _MAX_SPLIT_K = 16
 PREQUANTIZE = "prequantize"
 # Another, in the int4 configs: read the activation as [M, K/2, 2] pairs and split them in registers.
 PAIRED_LOADS = "paired_loads"
+# Another, in the 16-bit GEMM's configs: multiply and sum each K tile in registers (a GEMV) instead of a
+# tensor-core dot, whose rows Helion pads to 16 (see kernels/gemm.py).
+GEMV = "gemv"
 _QUANTIZED_INPUTS = (torch.float8_e4m3fn, torch.int8)
 
 # The split-K finishing pass only reads the fp32 partial sums once; any coalesced tile will do.
 EPILOGUE_CONFIG = helion.Config(block_sizes=[16, 128], num_warps=4, num_stages=1)
+
+
+@functools.cache  # on every launch
+def split_key(config: helion.Config, ours: str) -> tuple[bool, helion.Config]:
+    """Our boolean key ``ours`` (:data:`PREQUANTIZE`, :data:`PAIRED_LOADS`, :data:`GEMV`) and the config
+    without it, which is what Helion sees."""
+    rest = helion.Config(**{key: value for key, value in config.items() if key != ours})
+    return bool(config.get(ours, False)), rest
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -46,7 +46,7 @@ from ..vocabulary import (
     RULE_DTYPES,
     Operand,
 )
-from .configs import EPILOGUE_CONFIG, PREQUANTIZE, config_for
+from .configs import EPILOGUE_CONFIG, GEMV, PREQUANTIZE, config_for, split_key
 
 SUPPORTED_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -63,9 +63,15 @@ def gemm_kernel(
     out: torch.Tensor,
     operands: list[torch.Tensor],
     scalars: list[float],
+    gemv: bool,
     epilogue: TileEpilogue,
 ) -> None:
-    """``out[0] = epilogue(x @ w)`` when ``split_k == 1``; else ``out[s] = x @ w`` over K split ``s``."""
+    """``out[0] = epilogue(x @ w)`` when ``split_k == 1``; else ``out[s] = x @ w`` over K split ``s``.
+
+    ``gemv`` (a compile-time constant, ``hl.constexpr``; the config key :data:`.configs.GEMV`) multiplies
+    each [block_m, block_k] x [block_k, block_n] step in registers and sums over K, instead of a tensor-core
+    dot. Helion pads a dot's one-row tile to 16 rows, and one row is what decode runs most; with the GEMV
+    form, N tiles of a few columns spread even a narrow weight over every SM without split-K."""
     m, k = x.size()
     n = w.size(1)
     split_k = hl.register_tunable("split_k", PowerOfTwoFragment(1, 64, 1))
@@ -74,7 +80,11 @@ def gemm_kernel(
     for tile_m, tile_n, tile_split in hl.tile([m, n, k], block_size=[None, None, k_per_split]):
         acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
         for tile_k in hl.tile(tile_split.begin, tile_split.end):
-            acc = torch.addmm(acc, x[tile_m, tile_k], w[tile_k, tile_n])
+            if gemv:
+                x_fp32 = x[tile_m, tile_k].to(torch.float32)
+                acc = acc + (x_fp32[:, :, None] * w[tile_k, tile_n].to(torch.float32)[None, :, :]).sum(1)
+            else:
+                acc = torch.addmm(acc, x[tile_m, tile_k], w[tile_k, tile_n])
         # Triton specializes an int argument equal to 1 as a constant, so with split_k == 1 the branch
         # is resolved at compile time; the tile id is then 0.
         if split_k == 1:
@@ -91,13 +101,14 @@ def rmsnorm_gemm_kernel(
     out: torch.Tensor,
     operands: list[torch.Tensor],
     scalars: list[float],
+    gemv: bool,
     epilogue: TileEpilogue,
 ) -> None:
-    """:func:`gemm_kernel` on RMS-normalized rows of x (see :mod:`helion_backend.norm`): the dot reads x
-    times the norm's weight and the accumulator is scaled by each row's rstd at the end. The rows' sums
-    of squares come from a first pass over x, or, for a few rows, from the K loop; then a K split adds
-    the squares of the rest of K in two more loops (empty without split-K). One K block size serves every
-    loop, registered first, so its config is ``gemm_kernel``'s with the block sizes rotated
+    """:func:`gemm_kernel` (``gemv`` included) on RMS-normalized rows of x (see :mod:`helion_backend.norm`):
+    the dot reads x times the norm's weight and the accumulator is scaled by each row's rstd at the end.
+    The rows' sums of squares come from a first pass over x, or, for a few rows, from the K loop; then a
+    K split adds the squares of the rest of K in two more loops (empty without split-K). One K block size
+    serves every loop, registered first, so its config is ``gemm_kernel``'s with the block sizes rotated
     (:func:`norm_kernel_config`)."""
     m, k = x.size()
     n = w.size(1)
@@ -115,7 +126,12 @@ def rmsnorm_gemm_kernel(
             x_tile = x[tile_m, tile_k]
             if m <= norm_module.ONE_PASS_MAX_M:
                 squares = squares + norm_module.squares(x_tile)
-            acc = torch.addmm(acc, norm_module.weighted_rows(x_tile, norm_weight[tile_k]), w[tile_k, tile_n])
+            rows = norm_module.weighted_rows(x_tile, norm_weight[tile_k])
+            if gemv:
+                rows_fp32 = rows.to(torch.float32)
+                acc = acc + (rows_fp32[:, :, None] * w[tile_k, tile_n].to(torch.float32)[None, :, :]).sum(1)
+            else:
+                acc = torch.addmm(acc, rows, w[tile_k, tile_n])
         if m <= norm_module.ONE_PASS_MAX_M:
             for tile_k in hl.tile(0, tile_split.begin, block_size=block_k):
                 squares = squares + norm_module.squares(x[tile_m, tile_k])
@@ -452,18 +468,20 @@ def gemm_epilogue_helion(
     (m, k), n = x.shape, w_kn.shape[1]
     if config is None:
         config = config_for(m, k, n, x.dtype, x.device, config_dir)
+    gemv, config = split_key(config, GEMV)
     epilogue = tile_epilogue(steps)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     split_k = config.get("split_k", 1)
-    gemm_args = gemm_kernel_args(x, w_kn, out, operands, scalars, epilogue, split_k)
+    gemm_args = gemm_kernel_args(x, w_kn, out, operands, scalars, epilogue, split_k, gemv)
     splits = gemm_args[2].shape[0]
     if norm is None:
-        compiled_kernel(gemm_kernel, gemm_args, sig, config, splits)(*gemm_args)
+        compiled_kernel(gemm_kernel, gemm_args, (sig, gemv), config, splits)(*gemm_args)
     else:
         weight, eps = norm_kernel_args(norm)
         x, w_kn, workspace = gemm_args[:3]
-        norm_args = (x, weight, eps, w_kn, workspace, operands, scalars, epilogue)
-        compiled_kernel(rmsnorm_gemm_kernel, norm_args, sig, norm_kernel_config(config), splits)(*norm_args)
+        norm_args = (x, weight, eps, w_kn, workspace, operands, scalars, hl.constexpr(gemv), epilogue)
+        norm_config = norm_kernel_config(config)
+        compiled_kernel(rmsnorm_gemm_kernel, norm_args, (sig, gemv), norm_config, splits)(*norm_args)
     return finish_split_k(gemm_args[2], out, split_k, sig, operands, scalars, epilogue)
 
 
@@ -475,9 +493,10 @@ def gemm_kernel_args(
     scalars: list[float],
     epilogue: TileEpilogue,
     split_k: int,
+    gemv: bool,
 ) -> tuple[object, ...]:
     """:func:`gemm_kernel`'s arguments at this split (its target: :func:`split_k_target`)."""
-    return (x, w_kn, split_k_target(out, x.shape[1], split_k), operands, scalars, epilogue)
+    return (x, w_kn, split_k_target(out, x.shape[1], split_k), operands, scalars, hl.constexpr(gemv), epilogue)
 
 
 def norm_kernel_args(norm: tuple[torch.Tensor, RmsNormSpec] | None) -> tuple[torch.Tensor | None, float]:
@@ -565,11 +584,13 @@ _SHARED_MEMORY_BUDGET = 160 * 1024
 
 
 def _fit_two_weights(config: helion.Config, itemsize: int) -> helion.Config:
-    """``config`` for the gated kernel: without a split-K factor (it has no such tunable) or ``prequantize``
-    (ours, in the single fp8/int8 GEMM's configs that a quantized gated site falls back to), and the K
+    """``config`` for the gated kernel: without a split-K factor (it has no such tunable), ``prequantize``
+    (ours, in the single fp8/int8 GEMM's configs that a quantized gated site falls back to) or ``gemv``
+    (ours, in the single 16-bit GEMM's: the gated kernel always dots), and the K
     block halved until the stages of x's tile and two weight tiles fit in shared memory (a config sized
     for one weight tile, such as the decode default, would not)."""
-    config = helion.Config(**{key: value for key, value in config.items() if key not in ("split_k", PREQUANTIZE)})
+    dropped = ("split_k", PREQUANTIZE, GEMV)
+    config = helion.Config(**{key: value for key, value in config.items() if key not in dropped})
     block_m, block_n, block_k = config["block_sizes"]
     stages = config.get("num_stages", 1)
     while block_k > 16 and stages * (block_m + 2 * block_n) * block_k * itemsize > _SHARED_MEMORY_BUDGET:

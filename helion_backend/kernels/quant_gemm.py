@@ -57,7 +57,7 @@ from ..vocabulary import (
     QUANT_DTYPES,
     SUPPORTED_DTYPES,
 )
-from .configs import PAIRED_LOADS, PREQUANTIZE, config_for
+from .configs import PAIRED_LOADS, PREQUANTIZE, config_for, split_key
 from .gemm import (
     Layout,
     Signature,
@@ -324,7 +324,7 @@ def quant_gemm_helion(
     gemm_dtype = program.quant_dtype if program is not None else x.dtype
     if config is None:
         config = config_for(m, k, n, gemm_dtype, x.device, config_dir, kernel_family)
-    prequantize, config = _split_key(config, PREQUANTIZE)
+    prequantize, config = split_key(config, PREQUANTIZE)
     prequantize = prequantize and program is not None
     if prequantize:
         quantized, scale = quantize_rows(x, program)
@@ -349,14 +349,6 @@ def quant_gemm_helion(
         kernel, args = lowp_gemm_kernel, (x, w_kn, None, target, operands, scalars, epilogue)
     compiled_kernel(kernel, args, (sig, program), config, target.shape[0])(*args)
     return finish_split_k(target, out, split_k, sig, operands, scalars, epilogue)
-
-
-@functools.cache  # on every launch
-def _split_key(config: helion.Config, ours: str) -> tuple[bool, helion.Config]:
-    """Our boolean key ``ours`` (``prequantize``, ``paired_loads``), and the config without it (what Helion
-    sees)."""
-    rest = helion.Config(**{key: value for key, value in config.items() if key != ours})
-    return bool(config.get(ours, False)), rest
 
 
 def _two_rows(t: torch.Tensor) -> torch.Tensor:
@@ -409,7 +401,7 @@ def int4_gemm_helion(
     (m, k), n = x.shape, packed_kn.shape[1]
     if config is None:
         config = config_for(m, k, n, x.dtype, x.device, config_dir, INT4_FAMILY)
-    paired, config = _split_key(config, PAIRED_LOADS)
+    paired, config = split_key(config, PAIRED_LOADS)
     epilogue = tile_epilogue(steps)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     split_k = config.get("split_k", 1)
@@ -469,7 +461,7 @@ def block_fp8_gemm_helion(
     (m, k), n = x.shape, w_kn.shape[1]
     if config is None:
         config = config_for(m, k, n, x.dtype, x.device, config_dir, FP8_BLOCK_FAMILY)
-    prequantize, config = _split_key(config, PREQUANTIZE)
+    prequantize, config = split_key(config, PREQUANTIZE)
     config = _n_block_within_b(config) if prequantize else _block_k_of_one_group(config)
     epilogue = tile_epilogue(steps)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
