@@ -65,21 +65,26 @@ CANDIDATES: tuple[Candidate, ...] = (
     (32, 16, 512, 4, 3, 1, "pointer"),
     (32, 16, 256, 4, 4, 1, "pointer"),
 )
-# One row of 16-bit inputs as a GEMV (``gemv``: each K step multiplied and summed in registers, no dot).
+# One row of 16-bit inputs as a GEMV (``gemv``: kernels/gemm.py's ``gemv_kernel``, no dot, no split-K).
 # With ``mode="max-autotune"`` Inductor rewrites a one-row ``mm`` as a multiply and a sum, and its reduction
 # kernel beat our one-row dot by 0.7-3.9 us on every Qwen3 shape without a bias (H200, thirteenth session).
-# So: narrow N tiles (down to one column) and deep K steps, for hundreds of programs without split-K and
-# 16-byte loads along K (the weight's contiguous dimension). One stage: the PTX of this loop has no cp.async
-# at three (Triton pipelines the loads that feed a dot).
+# As in that reduction, each K step only multiplies and adds into a [N block, K block] fp32 accumulator, K
+# summed once after the loop; narrow N tiles (down to one column) give hundreds of programs, and 16-byte
+# loads run along K (the weight's contiguous dimension). The accumulator takes N block x K block / (32 x
+# warps) registers a thread: 16 to 64 here. Mostly one stage (Triton pipelines the loads that feed a dot);
+# two with three, in case the loads of this loop are pipelined too.
 GEMV_CANDIDATES = (
-    (16, 1, 4096, 4, 1, 1, "pointer"),
-    (16, 2, 2048, 4, 1, 1, "pointer"),
+    (16, 1, 2048, 4, 1, 1, "pointer"),
+    (16, 2, 1024, 4, 1, 1, "pointer"),
+    (16, 2, 2048, 8, 1, 1, "pointer"),
+    (16, 4, 512, 4, 1, 1, "pointer"),
     (16, 4, 1024, 4, 1, 1, "pointer"),
-    (16, 4, 2048, 8, 1, 1, "pointer"),
+    (16, 4, 1024, 8, 1, 1, "pointer"),
+    (16, 8, 256, 4, 1, 1, "pointer"),
     (16, 8, 512, 4, 1, 1, "pointer"),
-    (16, 8, 1024, 4, 1, 1, "pointer"),
-    (16, 16, 512, 4, 1, 1, "pointer"),
-    (16, 8, 1024, 8, 1, 2, "pointer"),
+    (16, 16, 256, 8, 1, 1, "pointer"),
+    (16, 4, 512, 4, 3, 1, "pointer"),
+    (16, 8, 512, 8, 3, 1, "pointer"),
 )
 # The quantized families: the candidates that did best in the first fp8/int8 sweep, each with the
 # activation quantized inside the GEMM kernel and, once, by a kernel of its own (``prequantize``).

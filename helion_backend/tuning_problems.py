@@ -162,13 +162,17 @@ class Problem:
         searches = []
         for values in itertools.product(*self.searched.values()):
             fixed = dict(zip(self.searched, values))
+            if fixed.get(GEMV) and fixed.get(SPLIT_K, 1) != 1:  # the GEMV kernel has no split-K
+                continue
             seed = helion.Config(**{**self.current, **fixed})
             searches.append(Search(fixed, seed, functools.partial(gemm_launch, self.run, seed)))
         return searches
 
     def table_config(self, found: helion.Config, search: Search) -> helion.Config:
-        """``found`` (in the searched kernel's layout) as the table stores it, with the search's own keys."""
-        return helion.Config(**{**self.to_table(found), **search.fixed})
+        """``found`` (in the searched kernel's layout) as the table stores it, with the search's own keys. The
+        GEMV kernel's layout is the table's, with or without the norm."""
+        to_table = (lambda config: config) if search.fixed.get(GEMV) else self.to_table
+        return helion.Config(**{**to_table(found), **search.fixed})
 
 
 def gemm_launch(run: Callable[[helion.Config, int], Output], config: helion.Config) -> Launch:

@@ -117,6 +117,12 @@ def test_gemv_form(m, dtype, config):
     check(m, K, N, dtype, "nk", EPILOGUE, config=config)
 
 
+def test_gemv_form_on_a_kn_weight():
+    """The GEMV kernel reads the weight as [N, K]: a [K, N] one (GPT-2's Conv1D) is a strided view, read in place."""
+    config = helion.Config(block_sizes=[16, 4, 512], num_warps=4, num_stages=1, **{configs.GEMV: True})
+    check(1, K, N, torch.bfloat16, "kn", EPILOGUE, config=config)
+
+
 @pytest.mark.parametrize("gemv", [False, True], ids=["dot", "gemv"])
 def test_gemm_with_rmsnorm_at_one_row(gemv):
     """The RMSNorm prologue of the single GEMM at one row (its sums of squares from the K loop), dot or GEMV;

@@ -507,6 +507,23 @@ def test_the_16_bit_gemm_searches_its_gemv_form_at_one_row_only(m, ours):
     assert dict(problem.searched) == {"split_k": configs.split_k_choices(2048), **ours}
 
 
+@pytest.mark.parametrize("normed", [False, True], ids=["plain", "rmsnorm"])
+def test_the_gemv_searches_run_unsplit_and_keep_the_tables_layout(normed):
+    """The GEMV kernel has no split-K, so no search pairs it with a split; it registers its block sizes in the
+    table's order, so what Helion finds for it is stored as found, with or without the norm (whose dot
+    kernel's K block comes first and is rotated)."""
+    prologue = ("rmsnorm",) if normed else ()
+    problem = build_problem(TuneKey("gemm", (), "bfloat16", 4096, 128, 1, prologue=prologue), torch.device("cpu"))
+    searches = {tuple(search.fixed.items()): search for search in problem.searches()}
+    assert set(searches) == {(("split_k", s), ("gemv", False)) for s in configs.split_k_choices(4096)} | {
+        (("split_k", 1), ("gemv", True))}
+    found = helion.Config(block_sizes=[1, 4, 512], num_warps=4, num_stages=1)
+    gemv = searches[("split_k", 1), ("gemv", True)]
+    assert problem.table_config(found, gemv)["block_sizes"] == [1, 4, 512]
+    dot = searches[("split_k", 1), ("gemv", False)]
+    assert problem.table_config(found, dot)["block_sizes"] == ([4, 512, 1] if normed else [1, 4, 512])
+
+
 @pytest.mark.parametrize("tune_key, message", [
     (TuneKey("gemm_multi", (), "bfloat16", 256, 384, 1), "gemm_multi site recorded without its outputs' widths"),
     (TuneKey("gemm_fp8", ("act_scale",), "float8_e4m3fn", 256, 256, 1),  # pre-quantized: its scale is token_scale

@@ -38,8 +38,8 @@ _MAX_SPLIT_K = 16
 PREQUANTIZE = "prequantize"
 # Another, in the int4 configs: read the activation as [M, K/2, 2] pairs and split them in registers.
 PAIRED_LOADS = "paired_loads"
-# Another, in the 16-bit GEMM's configs: multiply and sum each K tile in registers (a GEMV) instead of a
-# tensor-core dot, whose rows Helion pads to 16 (see kernels/gemm.py).
+# Another, in the 16-bit GEMM's configs: run the GEMV kernel (elementwise products summed over K after the
+# loop, no tensor-core dot, whose rows Helion pads to 16; see kernels/gemm.py's ``gemv_kernel``).
 GEMV = "gemv"
 _QUANTIZED_INPUTS = (torch.float8_e4m3fn, torch.int8)
 

@@ -11,6 +11,9 @@ Split-K is the ``split_k`` tunable. The GEMM kernel writes ``out[split, m, n]``:
 atomics, so three launches become two), and :func:`epilogue_kernel` sums the slices and applies the
 epilogue (not linear, so never to partial sums).
 
+At one row the config key ``gemv`` runs :func:`gemv_kernel` instead: no tensor-core dot, no split-K, N tiles
+down to one column (what Inductor's tuned reduction does with a one-row ``mm`` under max-autotune).
+
 Nothing here autotunes: every call runs an explicit config (given, or from :mod:`.configs`), compiled once
 per argument layout, epilogue and config.
 """
@@ -63,15 +66,9 @@ def gemm_kernel(
     out: torch.Tensor,
     operands: list[torch.Tensor],
     scalars: list[float],
-    gemv: bool,
     epilogue: TileEpilogue,
 ) -> None:
-    """``out[0] = epilogue(x @ w)`` when ``split_k == 1``; else ``out[s] = x @ w`` over K split ``s``.
-
-    ``gemv`` (a compile-time constant, ``hl.constexpr``; the config key :data:`.configs.GEMV`) multiplies
-    each [block_m, block_k] x [block_k, block_n] step in registers and sums over K, instead of a tensor-core
-    dot. Helion pads a dot's one-row tile to 16 rows, and one row is what decode runs most; with the GEMV
-    form, N tiles of a few columns spread even a narrow weight over every SM without split-K."""
+    """``out[0] = epilogue(x @ w)`` when ``split_k == 1``; else ``out[s] = x @ w`` over K split ``s``."""
     m, k = x.size()
     n = w.size(1)
     split_k = hl.register_tunable("split_k", PowerOfTwoFragment(1, 64, 1))
@@ -80,11 +77,7 @@ def gemm_kernel(
     for tile_m, tile_n, tile_split in hl.tile([m, n, k], block_size=[None, None, k_per_split]):
         acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
         for tile_k in hl.tile(tile_split.begin, tile_split.end):
-            if gemv:
-                x_fp32 = x[tile_m, tile_k].to(torch.float32)
-                acc = acc + (x_fp32[:, :, None] * w[tile_k, tile_n].to(torch.float32)[None, :, :]).sum(1)
-            else:
-                acc = torch.addmm(acc, x[tile_m, tile_k], w[tile_k, tile_n])
+            acc = torch.addmm(acc, x[tile_m, tile_k], w[tile_k, tile_n])
         # Triton specializes an int argument equal to 1 as a constant, so with split_k == 1 the branch
         # is resolved at compile time; the tile id is then 0.
         if split_k == 1:
@@ -101,14 +94,13 @@ def rmsnorm_gemm_kernel(
     out: torch.Tensor,
     operands: list[torch.Tensor],
     scalars: list[float],
-    gemv: bool,
     epilogue: TileEpilogue,
 ) -> None:
-    """:func:`gemm_kernel` (``gemv`` included) on RMS-normalized rows of x (see :mod:`helion_backend.norm`):
-    the dot reads x times the norm's weight and the accumulator is scaled by each row's rstd at the end.
-    The rows' sums of squares come from a first pass over x, or, for a few rows, from the K loop; then a
-    K split adds the squares of the rest of K in two more loops (empty without split-K). One K block size
-    serves every loop, registered first, so its config is ``gemm_kernel``'s with the block sizes rotated
+    """:func:`gemm_kernel` on RMS-normalized rows of x (see :mod:`helion_backend.norm`): the dot reads x
+    times the norm's weight and the accumulator is scaled by each row's rstd at the end. The rows' sums
+    of squares come from a first pass over x, or, for a few rows, from the K loop; then a K split adds
+    the squares of the rest of K in two more loops (empty without split-K). One K block size serves every
+    loop, registered first, so its config is ``gemm_kernel``'s with the block sizes rotated
     (:func:`norm_kernel_config`)."""
     m, k = x.size()
     n = w.size(1)
@@ -126,12 +118,7 @@ def rmsnorm_gemm_kernel(
             x_tile = x[tile_m, tile_k]
             if m <= norm_module.ONE_PASS_MAX_M:
                 squares = squares + norm_module.squares(x_tile)
-            rows = norm_module.weighted_rows(x_tile, norm_weight[tile_k])
-            if gemv:
-                rows_fp32 = rows.to(torch.float32)
-                acc = acc + (rows_fp32[:, :, None] * w[tile_k, tile_n].to(torch.float32)[None, :, :]).sum(1)
-            else:
-                acc = torch.addmm(acc, rows, w[tile_k, tile_n])
+            acc = torch.addmm(acc, norm_module.weighted_rows(x_tile, norm_weight[tile_k]), w[tile_k, tile_n])
         if m <= norm_module.ONE_PASS_MAX_M:
             for tile_k in hl.tile(0, tile_split.begin, block_size=block_k):
                 squares = squares + norm_module.squares(x[tile_m, tile_k])
@@ -141,6 +128,44 @@ def rmsnorm_gemm_kernel(
         if split_k == 1:
             acc = epilogue(acc, operands, scalars, tile_m, tile_n)
         out[tile_split.id, tile_m, tile_n] = acc.to(out.dtype)
+
+
+@helion.kernel(static_shapes=True, autotune_effort="none")
+def gemv_kernel(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    w_nk: torch.Tensor,
+    out: torch.Tensor,
+    operands: list[torch.Tensor],
+    scalars: list[float],
+    epilogue: TileEpilogue,
+) -> None:
+    """``out = epilogue(x @ w_nk.T)`` without a tensor-core dot, for decode's one row (the config key
+    :data:`.configs.GEMV` selects it): each K step multiplies an x tile by a [N block, K block] weight tile
+    elementwise into a 3-D fp32 accumulator, and K is summed once, after the loop. A dot pads one row to
+    16 and needs N tiles of 16 or more; here N tiles go down to one column, so even a narrow weight
+    spreads over every SM without split-K, and no step waits on a cross-thread reduction. The weight is
+    read as [N, K] (an nn.Linear weight as it is), so its loads run along contiguous K. With
+    ``norm_weight`` x's rows are RMS-normalized (their squares summed in the same K loop, which covers all
+    of K). Block sizes in ``gemm_kernel``'s order, [M, N, K]; no split-K."""
+    m, k = x.size()
+    n = w_nk.size(0)
+    block_m, block_n, block_k = hl.register_block_size(m), hl.register_block_size(n), hl.register_block_size(k)
+    for tile_m, tile_n in hl.tile([m, n], block_size=[block_m, block_n]):
+        products = hl.zeros([tile_m, tile_n, block_k], dtype=torch.float32)
+        squares = hl.zeros([tile_m, block_k], dtype=torch.float32)
+        for tile_k in hl.tile(k, block_size=block_k):
+            x_tile = x[tile_m, tile_k]
+            if norm_weight is not None:
+                squares = squares + norm_module.squares(x_tile)
+                x_tile = norm_module.weighted_rows(x_tile, norm_weight[tile_k])
+            w_tile = w_nk[tile_n, tile_k].to(torch.float32)
+            products = products + x_tile.to(torch.float32)[:, None, :] * w_tile[None, :, :]
+        acc = products.sum(-1)
+        if norm_weight is not None:
+            acc = norm_module.scale_rows(acc, squares.sum(-1, keepdim=True), k, eps)
+        out[tile_m, tile_n] = epilogue(acc, operands, scalars, tile_m, tile_n).to(out.dtype)
 
 
 # One source, two kernels (as multi_gemm_kernel): float inputs with exact fp32 dots, and fp8/int8 inputs
@@ -471,18 +496,32 @@ def gemm_epilogue_helion(
     gemv, config = split_key(config, GEMV)
     epilogue = tile_epilogue(steps)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if gemv:
+        return _gemv(x, w_kn, out, operands, scalars, epilogue, sig, config, norm)
     split_k = config.get("split_k", 1)
-    gemm_args = gemm_kernel_args(x, w_kn, out, operands, scalars, epilogue, split_k, gemv)
+    gemm_args = gemm_kernel_args(x, w_kn, out, operands, scalars, epilogue, split_k)
     splits = gemm_args[2].shape[0]
     if norm is None:
-        compiled_kernel(gemm_kernel, gemm_args, (sig, gemv), config, splits)(*gemm_args)
+        compiled_kernel(gemm_kernel, gemm_args, sig, config, splits)(*gemm_args)
     else:
         weight, eps = norm_kernel_args(norm)
         x, w_kn, workspace = gemm_args[:3]
-        norm_args = (x, weight, eps, w_kn, workspace, operands, scalars, hl.constexpr(gemv), epilogue)
-        norm_config = norm_kernel_config(config)
-        compiled_kernel(rmsnorm_gemm_kernel, norm_args, (sig, gemv), norm_config, splits)(*norm_args)
+        norm_args = (x, weight, eps, w_kn, workspace, operands, scalars, epilogue)
+        compiled_kernel(rmsnorm_gemm_kernel, norm_args, sig, norm_kernel_config(config), splits)(*norm_args)
     return finish_split_k(gemm_args[2], out, split_k, sig, operands, scalars, epilogue)
+
+
+def _gemv(x: torch.Tensor, w_kn: torch.Tensor, out: torch.Tensor, operands: list[torch.Tensor],
+          scalars: list[float], epilogue: TileEpilogue, sig: Signature, config: helion.Config,
+          norm: tuple[torch.Tensor, RmsNormSpec] | None) -> torch.Tensor:
+    """``out`` from :func:`gemv_kernel` (config key ``gemv``), which reads the weight as [N, K]."""
+    if config.get("split_k", 1) != 1:
+        raise ValueError(f"the GEMV form (config key {GEMV!r}) has no split-K, got split_k={config['split_k']}")
+    weight, eps = norm_kernel_args(norm)
+    args = (x, weight, eps, w_kn.t(), out, operands, scalars, epilogue)
+    gemv_config = helion.Config(**{key: value for key, value in config.items() if key != "split_k"})
+    compiled_kernel(gemv_kernel, args, sig, gemv_config, 1)(*args)
+    return out
 
 
 def gemm_kernel_args(
@@ -493,10 +532,9 @@ def gemm_kernel_args(
     scalars: list[float],
     epilogue: TileEpilogue,
     split_k: int,
-    gemv: bool,
 ) -> tuple[object, ...]:
     """:func:`gemm_kernel`'s arguments at this split (its target: :func:`split_k_target`)."""
-    return (x, w_kn, split_k_target(out, x.shape[1], split_k), operands, scalars, hl.constexpr(gemv), epilogue)
+    return (x, w_kn, split_k_target(out, x.shape[1], split_k), operands, scalars, epilogue)
 
 
 def norm_kernel_args(norm: tuple[torch.Tensor, RmsNormSpec] | None) -> tuple[torch.Tensor | None, float]:
