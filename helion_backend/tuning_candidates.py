@@ -65,7 +65,8 @@ CANDIDATES: tuple[Candidate, ...] = (
     (32, 16, 512, 4, 3, 1, "pointer"),
     (32, 16, 256, 4, 4, 1, "pointer"),
 )
-# One row of 16-bit inputs as a GEMV (``gemv``: kernels/gemm.py's ``gemv_kernel``, no dot, no split-K).
+# One row as a GEMV (``gemv``: kernels/gemm.py's ``gemv_kernel``, no dot, no split-K): 16-bit inputs, and
+# fp8/int8 rows and weights or a float row and an int8 weight (their wrapper's GEMV; see gemv_candidates).
 # With ``mode="max-autotune"`` Inductor rewrites a one-row ``mm`` as a multiply and a sum, and its reduction
 # kernel beat our one-row dot by 0.7-3.9 us on every Qwen3 shape without a bias (H200, thirteenth session).
 # As in that reduction, each K step only multiplies and adds into a [N block, K block] fp32 accumulator, K
@@ -230,7 +231,11 @@ def candidates_for(key: TuneKey) -> list[helion.Config]:
             candidates += wgmma_candidates(key.m, key.n)
         return [c for c in candidates if c["split_k"] == 1]
     if key.kernel in QUANT_FORMAT_OF:
-        return quant_candidates(key)
-    if GEMV in wrapper_keys(key):
-        return candidate_configs(key.m, key.n) + candidate_configs(key.m, key.n, GEMV_CANDIDATES, **{GEMV: True})
-    return candidate_configs(key.m, key.n)
+        return quant_candidates(key) + gemv_candidates(key)
+    return candidate_configs(key.m, key.n) + gemv_candidates(key)
+
+
+def gemv_candidates(key: TuneKey) -> list[helion.Config]:
+    """:data:`GEMV_CANDIDATES` (``gemv``) where the key's wrapper runs the GEMV kernel: one row of the 16-bit,
+    fp8, int8 and int8 weight-only GEMMs."""
+    return candidate_configs(key.m, key.n, GEMV_CANDIDATES, **{GEMV: True}) if GEMV in wrapper_keys(key) else []

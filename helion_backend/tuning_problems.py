@@ -87,6 +87,9 @@ QUANT_ACTIVATION_DTYPE = "bfloat16"  # of fp8/int8 sites, whose manifest dtype i
 QUANT_FORMAT_OF = {"gemm_fp8": "fp8_dynamic", "gemm_int8": "int8_dynamic", "gemm_weight_only": "int8_weight_only",
                    INT4_FAMILY: "int4_weight_only", FP8_BLOCK_FAMILY: "fp8_block"}
 SPLIT_K, PREQUANTIZE, PAIRED_LOADS, GEMV = "split_k", configs.PREQUANTIZE, configs.PAIRED_LOADS, configs.GEMV
+# The families whose wrapper runs the GEMV kernel at one row (``gemv``): the 16-bit GEMM, and the quantized
+# ones that multiply rows quantized before the GEMM (fp8, int8) or a float x by an int8 weight.
+GEMV_FAMILIES = (DEFAULT_KERNEL_FAMILY, "gemm_fp8", "gemm_int8", "gemm_weight_only")
 HELION_TUNABLES = frozenset({SPLIT_K})  # of the searched keys, those Helion's autotuner can hold fixed
 # Launches around the GEMM, never tuned.
 _HELPER_KERNELS = (epilogue_kernel, quantize_rows_kernel, dequantize_groups_kernel)
@@ -162,7 +165,8 @@ class Problem:
         searches = []
         for values in itertools.product(*self.searched.values()):
             fixed = dict(zip(self.searched, values))
-            if fixed.get(GEMV) and fixed.get(SPLIT_K, 1) != 1:  # the GEMV kernel has no split-K
+            # The GEMV kernel has no split-K, and its rows are always quantized first (prequantize or not).
+            if fixed.get(GEMV) and (fixed.get(SPLIT_K, 1) != 1 or fixed.get(PREQUANTIZE) is False):
                 continue
             seed = helion.Config(**{**self.current, **fixed})
             searches.append(Search(fixed, seed, functools.partial(gemm_launch, self.run, seed)))
@@ -323,14 +327,16 @@ def quantizes_its_rows(key: TuneKey) -> bool:
 def wrapper_keys(key: TuneKey) -> dict[str, tuple[bool, ...]]:
     """Our config keys that make ``key``'s wrapper run another kernel, with their values: ``prequantize`` for a
     site that quantizes its own rows (:func:`quantizes_its_rows`) and for block fp8 (whose kernel always
-    quantizes its groups itself), ``paired_loads`` for int4, ``gemv`` for the 16-bit GEMM at one row."""
+    quantizes its groups itself), ``paired_loads`` for int4, ``gemv`` at one row of the
+    :data:`GEMV_FAMILIES`."""
+    keys: dict[str, tuple[bool, ...]] = {}
     if quantizes_its_rows(key) or key.kernel == FP8_BLOCK_FAMILY:
-        return {PREQUANTIZE: (False, True)}
+        keys[PREQUANTIZE] = (False, True)
     if key.kernel == INT4_FAMILY:
-        return {PAIRED_LOADS: (False, True)}
-    if key.kernel == DEFAULT_KERNEL_FAMILY and key.m == 1:
-        return {GEMV: (False, True)}
-    return {}
+        keys[PAIRED_LOADS] = (False, True)
+    if key.kernel in GEMV_FAMILIES and key.m == 1:
+        keys[GEMV] = (False, True)
+    return keys
 
 
 def _current(key: TuneKey, device: torch.device) -> helion.Config:

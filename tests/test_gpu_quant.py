@@ -110,6 +110,34 @@ def test_quant_kernel_64_row_tiles(qdtype, split_k, m):
     assert sqnr_db(reference(x, module.qweight.t(), steps, operands, [], torch.bfloat16, program), out) >= 40
 
 
+@pytest.mark.parametrize("tile", [(16, 1, 2048, 4), (16, 4, 1024, 4), (16, 8, 512, 8)], ids=str)
+@pytest.mark.parametrize("qdtype", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])
+def test_quant_gemv_form_at_one_row(qdtype, tile):
+    """``gemv`` on one quantized row (quantized first by its own kernel: the GEMV multiplies quantized rows),
+    products in fp32, against the unfused quantized graph."""
+    import helion
+
+    from helion_backend.dispatch import reference
+    from helion_backend.kernels.configs import GEMV
+    from helion_backend.kernels.quant_gemm import quant_gemm_helion
+    from helion_backend.quantize import Fp8DynamicLinear, Int8DynamicLinear
+
+    torch.manual_seed(2)
+    linear = nn.Linear(4096, 1000).to(device="cuda", dtype=torch.bfloat16)  # N a multiple of no N tile
+    module = (Fp8DynamicLinear if qdtype == torch.float8_e4m3fn else Int8DynamicLinear).from_linear(linear)
+    program = _program_of(module)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    scale = module.weight_scale.reshape(-1).float()
+    steps, operands = ("act_scale", "channel_scale", "bias"), [scale.expand(1000), linear.bias.detach()]
+    block_m, block_n, block_k, warps = tile
+    config = helion.Config(block_sizes=[block_m, block_n, block_k], num_warps=warps, num_stages=1, split_k=1,
+                           **{GEMV: True})
+    out = quant_gemm_helion(x, module.qweight.t(), steps, operands, [], torch.bfloat16, program, config=config,
+                            kernel_family="gemm_fp8" if qdtype == torch.float8_e4m3fn else "gemm_int8")
+    assert out.shape == (1, 1000) and not out.isnan().any()
+    assert sqnr_db(reference(x, module.qweight.t(), steps, operands, [], torch.bfloat16, program), out) >= 40
+
+
 @pytest.mark.parametrize("prequantize", [False, True], ids=["fused_scales", "prequantize"])
 @pytest.mark.parametrize("split_k", [1, 2, 4])
 @pytest.mark.parametrize("qdtype", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])

@@ -296,16 +296,46 @@ def test_int8_kernel_on_rows_quantized_before_it(split_k, m, block_m):
     assert rel_err(out, ref.double()) <= 1e-5
 
 
+@pytest.mark.parametrize("quantized_by", ["inductor", "program", "program_prequantize"])
+def test_int8_gemv_form_on_quantized_rows(quantized_by):
+    """``gemv`` on int8: rows quantized before the call (the default compile's site), or by the site's own
+    program, which the GEMV form always runs first, in its own kernel, whether or not ``prequantize`` says so."""
+    from helion_backend.dispatch import flatten_operands, reference
+    from helion_backend.kernels.configs import GEMV, PREQUANTIZE
+    from helion_backend.kernels.gemm import gemv_kernel, record_launches
+    from helion_backend.kernels.quant_gemm import quant_gemm_helion, quantize_rows_kernel
+
+    k, n = 600, 40
+    x = torch.randn(1, k)
+    w_kn = torch.randint(-128, 128, (n, k), dtype=torch.int8).t()
+    channel, bias = torch.rand(n) + 0.5, torch.randn(n)
+    config = helion.Config(block_sizes=[16, 4, 64], num_warps=4, num_stages=1, split_k=1,
+                           **{GEMV: True, PREQUANTIZE: quantized_by == "program_prequantize"})
+    if quantized_by == "inductor":
+        rows, scale = int8_per_token(x)
+        steps = ("cast", "token_scale", "channel_scale", "bias", "relu")
+        args = (rows, w_kn, steps, flatten_operands([scale, channel, bias], steps, n), [], torch.float32, None)
+    else:
+        program = program_from(int8_per_token, x, w_kn)
+        args = (x, w_kn, QUANT_STEPS, [channel, bias], [], torch.float32, program)
+    with record_launches() as launches:
+        out = quant_gemm_helion(*args, config=config, kernel_family="gemm_int8")
+    expected = [gemv_kernel] if quantized_by == "inductor" else [quantize_rows_kernel, gemv_kernel]
+    assert [launch.kernel for launch in launches] == expected
+    assert rel_err(out, reference(*args).double()) <= 1e-5
+
+
+@pytest.mark.parametrize("gemv", [False, True], ids=["dot", "gemv"])
 @pytest.mark.parametrize("layout", ["kn", "nk"])
-def test_weight_only_int8_kernel(layout):
+def test_weight_only_int8_kernel(layout, gemv):
     from helion_backend.kernels.quant_gemm import quant_gemm_helion
 
-    m, k, n = 3, 300, 40
+    m, k, n = 1 if gemv else 3, 300, 40
     x = torch.randn(m, k)
     w = torch.randint(-128, 128, (k, n) if layout == "kn" else (n, k), dtype=torch.int8)
     w_kn = w if layout == "kn" else w.t()
     scale, bias = torch.rand(n), torch.randn(n)
-    config = helion.Config(block_sizes=BLOCKS, num_warps=4, num_stages=1, split_k=1)
+    config = helion.Config(block_sizes=BLOCKS, num_warps=4, num_stages=1, split_k=1, **{configs.GEMV: gemv})
     steps = ("channel_scale", "bias", "silu")
     out = quant_gemm_helion(x, w_kn, steps, [scale, bias], [], torch.float32, config=config,
                             kernel_family="gemm_weight_only")

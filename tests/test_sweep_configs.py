@@ -136,17 +136,27 @@ def test_int4_tries_each_block_with_both_activation_loads():
     assert paired and paired == {c for c in candidates if not c.get(PAIRED_LOADS)}
 
 
-def test_the_16_bit_gemm_tries_gemv_tiles_at_one_row():
-    """At one row the single GEMM also tries the GEMV form (``gemv``), with N tiles down to one column; not from
-    two rows, and not the gated or shared-launch kernels, which always dot."""
+@pytest.mark.parametrize("family", ["gemm", "gemm_fp8", "gemm_int8", "gemm_weight_only"])
+def test_the_single_gemms_try_gemv_tiles_at_one_row(family):
+    """At one row the single GEMM, 16-bit or on one-byte weights, also tries the GEMV form (``gemv``), with N
+    tiles down to one column and no split-K; not from two rows."""
+    one_row = gemv_configs(family, 1)
+    assert one_row and min(c["block_sizes"][1] for c in one_row) == 1
+    assert all(c["split_k"] == 1 for c in one_row)
+    assert not gemv_configs(family, 2)
+
+
+@pytest.mark.parametrize("family", ["gemm_glu", "gemm_multi", "gemm_glu_fp8", "gemm_multi_fp8", "gemm_int4",
+                                    "gemm_fp8_block"])
+def test_kernels_without_a_gemv_form_try_none(family):
+    """The gated and shared-launch kernels always dot, and int4's and block fp8's wrappers have no GEMV."""
+    assert not gemv_configs(family, 1)
+
+
+def gemv_configs(family: str, m: int) -> list[helion.Config]:
     from helion_backend.kernels.configs import GEMV
 
-    def gemv_configs(family: str, m: int) -> list[helion.Config]:
-        return [c for c in candidates_for(sweep.sweep_keys(family, ["qwen3_8b"], [m])[0]) if c.get(GEMV)]
-
-    one_row = gemv_configs("gemm", 1)
-    assert one_row and min(c["block_sizes"][1] for c in one_row) == 1
-    assert not (gemv_configs("gemm", 2) or gemv_configs("gemm_glu", 1) or gemv_configs("gemm_multi", 1))
+    return [c for c in candidates_for(sweep.sweep_keys(family, ["qwen3_8b"], [m])[0]) if c.get(GEMV)]
 
 
 def test_the_suites_manifest_expands_in_the_tune_command_to_the_keys_the_script_sweeps(tmp_path, capsys):

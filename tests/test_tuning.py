@@ -507,6 +507,29 @@ def test_the_16_bit_gemm_searches_its_gemv_form_at_one_row_only(m, ours):
     assert dict(problem.searched) == {"split_k": configs.split_k_choices(2048), **ours}
 
 
+@pytest.mark.parametrize("tune_key, ours", [
+    (TuneKey("gemm_fp8", ("token_scale", "channel_scale"), "float8_e4m3fn", 256, 256, 1), {"gemv"}),
+    (TuneKey("gemm_fp8", ("token_scale", "channel_scale"), "float8_e4m3fn", 256, 256, 2), set()),
+    (TuneKey("gemm_int8", ("act_scale", "channel_scale"), "int8", 256, 256, 1, prologue=("quant_int8_per_token",)),
+     {"prequantize", "gemv"}),
+    (TuneKey("gemm_weight_only", ("channel_scale",), "bfloat16", 256, 256, 1, prologue=("dequant_int8",)), {"gemv"}),
+    (TuneKey("gemm_int4", (), "bfloat16", 256, 256, 1, prologue=("dequant_int4",)), {"paired_loads"}),
+])
+def test_the_quantized_gemms_search_the_gemv_at_one_row(tune_key, ours):
+    """fp8, int8 and weight-only int8 also run the GEMV kernel at one row, on rows quantized first; int4 does not."""
+    assert set(tuning_problems.wrapper_keys(tune_key)) == ours
+
+
+def test_the_gemv_is_searched_once_on_quantized_rows():
+    """Where the site quantizes its own rows the GEMV always runs on rows quantized first, so its search
+    with ``prequantize`` off would repeat the one with it on, and is not made; nor is a split GEMV."""
+    searched = {"split_k": [1, 2], configs.PREQUANTIZE: (False, True), configs.GEMV: (False, True)}
+    problem = tuning_problems.Problem(run=None, reference=None, fallback=None, current=helion.Config(), epilogue=(),
+                                      searched=searched)
+    fixed = [tuple(search.fixed.values()) for search in problem.searches()]
+    assert fixed == [(1, False, False), (1, True, False), (1, True, True), (2, False, False), (2, True, False)]
+
+
 @pytest.mark.parametrize("normed", [False, True], ids=["plain", "rmsnorm"])
 def test_the_gemv_searches_run_unsplit_and_keep_the_tables_layout(normed):
     """The GEMV kernel has no split-K, so no search pairs it with a split; it registers its block sizes in the

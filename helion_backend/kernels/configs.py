@@ -177,13 +177,15 @@ def _entries(
     k: int, n: int, dtype: torch.dtype, device: torch.device, user_dir: str | None, kernel: str
 ) -> list[TunedEntry]:
     """The family's entries at (K, N); for a fused quantized family without any, its member family's
-    (:data:`~helion_backend.vocabulary.CONFIG_FALLBACK`: the sites it fuses, run alone, at that shape)."""
+    (:data:`~helion_backend.vocabulary.CONFIG_FALLBACK`: the sites it fuses, run alone, at that shape), less
+    the :data:`GEMV` ones: the fused kernels always dot, and a GEMV's narrow N tiles are no dot's."""
     if device.type != "cuda":
         return []
     table = _table(gpu_key(device), user_dir)
     entries = table.get((kernel, dtype_name(dtype), k, n), [])
     if not entries and kernel in CONFIG_FALLBACK:
-        entries = table.get((CONFIG_FALLBACK[kernel], dtype_name(dtype), k, n), [])
+        member = table.get((CONFIG_FALLBACK[kernel], dtype_name(dtype), k, n), [])
+        entries = [entry for entry in member if not entry.config.get(GEMV)]
     return entries
 
 

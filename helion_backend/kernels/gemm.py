@@ -497,7 +497,7 @@ def gemm_epilogue_helion(
     epilogue = tile_epilogue(steps)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if gemv:
-        return _gemv(x, w_kn, out, operands, scalars, epilogue, sig, config, norm)
+        return gemv_helion(x, w_kn, out, operands, scalars, epilogue, sig, config, norm)
     split_k = config.get("split_k", 1)
     gemm_args = gemm_kernel_args(x, w_kn, out, operands, scalars, epilogue, split_k)
     splits = gemm_args[2].shape[0]
@@ -511,10 +511,12 @@ def gemm_epilogue_helion(
     return finish_split_k(gemm_args[2], out, split_k, sig, operands, scalars, epilogue)
 
 
-def _gemv(x: torch.Tensor, w_kn: torch.Tensor, out: torch.Tensor, operands: list[torch.Tensor],
-          scalars: list[float], epilogue: TileEpilogue, sig: Signature, config: helion.Config,
-          norm: tuple[torch.Tensor, RmsNormSpec] | None) -> torch.Tensor:
-    """``out`` from :func:`gemv_kernel` (config key ``gemv``), which reads the weight as [N, K]."""
+def gemv_helion(x: torch.Tensor, w_kn: torch.Tensor, out: torch.Tensor, operands: list[torch.Tensor],
+                scalars: list[float], epilogue: TileEpilogue, sig: Signature, config: helion.Config,
+                norm: tuple[torch.Tensor, RmsNormSpec] | None = None) -> torch.Tensor:
+    """``out`` from :func:`gemv_kernel` (config key ``gemv``, already taken out of ``config``), which reads
+    the weight as [N, K]. Any input dtypes: 16-bit, and fp8 or int8 rows and weights (quantized before the
+    call), or a float x with an int8 weight; every product is taken in fp32."""
     if config.get("split_k", 1) != 1:
         raise ValueError(f"the GEMV form (config key {GEMV!r}) has no split-K, got split_k={config['split_k']}")
     weight, eps = norm_kernel_args(norm)

@@ -19,6 +19,8 @@ only with the option ``fuse_activation_quant``.
 
 ``lowp_gemm_kernel`` multiplies inputs as they come: fp8 x fp8 or int8 x int8 (already quantized), or a
 float activation with a one-byte weight converted block by block (int8 weight-only, block fp8's weight).
+At one row the config key ``gemv`` runs the same inputs through :func:`.gemm.gemv_kernel` instead (products
+in fp32, no tensor-core dot), on rows quantized before it (as with ``prequantize``, where the site quantizes).
 
 ``int4_gemm_kernel`` reads a packed int4 weight (two columns of K per byte) and its group scales, and
 dequantizes each block in registers exactly as the graph did (nibble, minus the zero point, times the
@@ -57,7 +59,7 @@ from ..vocabulary import (
     QUANT_DTYPES,
     SUPPORTED_DTYPES,
 )
-from .configs import PAIRED_LOADS, PREQUANTIZE, config_for, split_key
+from .configs import GEMV, PAIRED_LOADS, PREQUANTIZE, config_for, split_key
 from .gemm import (
     Layout,
     Signature,
@@ -65,6 +67,7 @@ from .gemm import (
     check_operands,
     compiled_kernel,
     finish_split_k,
+    gemv_helion,
     split_k_target,
     tile_epilogue,
 )
@@ -325,7 +328,8 @@ def quant_gemm_helion(
     if config is None:
         config = config_for(m, k, n, gemm_dtype, x.device, config_dir, kernel_family)
     prequantize, config = split_key(config, PREQUANTIZE)
-    prequantize = prequantize and program is not None
+    # The GEMV form multiplies rows quantized before it: where the kernel would quantize them, they are first.
+    prequantize = (prequantize or bool(config.get(GEMV))) and program is not None
     if prequantize:
         quantized, scale = quantize_rows(x, program)
         # The rows' scale becomes an epilogue operand; it commutes with the scaling steps before act_scale.
@@ -333,6 +337,10 @@ def quant_gemm_helion(
         operands = [scale.view(m, 1).expand(m, n), *operands]
         return quant_gemm_helion(quantized, w_kn, steps, operands, scalars, out_dtype, None, config=config,
                                  kernel_family=kernel_family)
+    gemv, config = split_key(config, GEMV)
+    if gemv:
+        out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+        return gemv_helion(x, w_kn, out, operands, scalars, tile_epilogue(steps), sig, config)
     if m == 1 and program is None and config.get("block_sizes", [0])[0] > 16:
         # One row gets a row block of 1 whatever the config says (Helion pads the dot itself, for mma.sync);
         # two identical rows take the config's block, and 64 rows run Hopper's wgmma.
