@@ -129,6 +129,7 @@ def test_a_fused_family_falls_back_to_its_members_dot_entries_only(table_dir, fu
 
     (table_dir / "test_gpu.json").write_text(json.dumps({"entries": [
         fp8_entry(1, 2, **{configs.GEMV: True}), fp8_entry(8, 32), fp8_entry(32, 64)]}))
+
     def block_n(kernel: str, m: int) -> int:
         return configs.config_for(m, 4096, 12288, torch.float8_e4m3fn, CUDA, kernel=kernel)["block_sizes"][1]
 
