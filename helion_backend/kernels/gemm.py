@@ -517,13 +517,19 @@ def gemv_helion(x: torch.Tensor, w_kn: torch.Tensor, out: torch.Tensor, operands
     """``out`` from :func:`gemv_kernel` (config key ``gemv``, already taken out of ``config``), which reads
     the weight as [N, K]. Any input dtypes: 16-bit, and fp8 or int8 rows and weights (quantized before the
     call), or a float x with an int8 weight; every product is taken in fp32."""
-    if config.get("split_k", 1) != 1:
-        raise ValueError(f"the GEMV form (config key {GEMV!r}) has no split-K, got split_k={config['split_k']}")
     weight, eps = norm_kernel_args(norm)
     args = (x, weight, eps, w_kn.t(), out, operands, scalars, epilogue)
-    gemv_config = helion.Config(**{key: value for key, value in config.items() if key != "split_k"})
-    compiled_kernel(gemv_kernel, args, sig, gemv_config, 1)(*args)
+    compiled_kernel(gemv_kernel, args, sig, gemv_kernel_config(config), 1)(*args)
     return out
+
+
+@functools.cache  # on every launch
+def gemv_kernel_config(config: helion.Config) -> helion.Config:
+    """A GEMM config (``gemv`` taken out) as :func:`gemv_kernel` runs it: the same keys but split-K, which it
+    has not (a split asked for is an error, not a silent single pass)."""
+    if config.get("split_k", 1) != 1:
+        raise ValueError(f"the GEMV form (config key {GEMV!r}) has no split-K, got split_k={config['split_k']}")
+    return helion.Config(**{key: value for key, value in config.items() if key != "split_k"})
 
 
 def gemm_kernel_args(
@@ -624,13 +630,11 @@ _SHARED_MEMORY_BUDGET = 160 * 1024
 
 
 def _fit_two_weights(config: helion.Config, itemsize: int) -> helion.Config:
-    """``config`` for the gated kernel: without a split-K factor (it has no such tunable), ``prequantize``
-    (ours, in the single fp8/int8 GEMM's configs that a quantized gated site falls back to) or ``gemv``
-    (ours, in the single 16-bit GEMM's: the gated kernel always dots), and the K
+    """``config`` for the gated kernel: without a split-K factor (it has no such tunable) or ``prequantize``
+    (ours, in the single fp8/int8 GEMM's configs that a quantized gated site falls back to), and the K
     block halved until the stages of x's tile and two weight tiles fit in shared memory (a config sized
     for one weight tile, such as the decode default, would not)."""
-    dropped = ("split_k", PREQUANTIZE, GEMV)
-    config = helion.Config(**{key: value for key, value in config.items() if key not in dropped})
+    config = helion.Config(**{key: value for key, value in config.items() if key not in ("split_k", PREQUANTIZE)})
     block_m, block_n, block_k = config["block_sizes"]
     stages = config.get("num_stages", 1)
     while block_k > 16 and stages * (block_m + 2 * block_n) * block_k * itemsize > _SHARED_MEMORY_BUDGET:
