@@ -69,7 +69,7 @@ CANDIDATES: tuple[Candidate, ...] = (
 # fp8/int8 rows and weights or a float row and an int8 weight (their wrapper's GEMV; see gemv_candidates).
 # With ``mode="max-autotune"`` Inductor rewrites a one-row ``mm`` as a multiply and a sum, and its reduction
 # kernel beat our one-row dot by 0.7-3.9 us on every Qwen3 shape without a bias (H200, thirteenth session).
-# As in that reduction, each K step only multiplies and adds into a [N block, K block] fp32 accumulator, K
+# As in that reduction, each K step only multiplies and adds into a [N block, K block] accumulator, K
 # summed once after the loop; narrow N tiles (down to one column) give hundreds of programs, and 16-byte
 # loads run along K (the weight's contiguous dimension). The accumulator takes N block x K block / (32 x
 # warps) registers a thread: 16 to 64 here. Mostly one stage (Triton pipelines the loads that feed a dot);

@@ -132,8 +132,8 @@ def rmsnorm_gemm_kernel(
 
 @helion.kernel(static_shapes=True, autotune_effort="none")
 def gemv_kernel(
-    x: torch.Tensor,
-    norm_weight: torch.Tensor | None,
+    x_rows: torch.Tensor,
+    norm_rows: torch.Tensor | None,
     eps: float,
     w_nk: torch.Tensor,
     out: torch.Tensor,
@@ -143,28 +143,35 @@ def gemv_kernel(
 ) -> None:
     """``out = epilogue(x @ w_nk.T)`` without a tensor-core dot, for decode's one row (the config key
     :data:`.configs.GEMV` selects it): each K step multiplies an x tile by a [N block, K block] weight tile
-    elementwise into a 3-D fp32 accumulator, and K is summed once, after the loop. A dot pads one row to
-    16 and needs N tiles of 16 or more; here N tiles go down to one column, so even a narrow weight
-    spreads over every SM without split-K, and no step waits on a cross-thread reduction. The weight is
-    read as [N, K] (an nn.Linear weight as it is), so its loads run along contiguous K. With
-    ``norm_weight`` x's rows are RMS-normalized (their squares summed in the same K loop, which covers all
-    of K). Block sizes in ``gemm_kernel``'s order, [M, N, K]; no split-K."""
-    m, k = x.size()
-    n = w_nk.size(0)
+    elementwise into a 3-D accumulator, and K is summed once, after the loop. A dot pads one row to 16 and
+    needs N tiles of 16 or more; here N tiles go down to one column, so even a narrow weight spreads over
+    every SM without split-K, and no step waits on a cross-thread reduction. The weight is read as [N, K]
+    (an nn.Linear weight as it is), so its loads run along contiguous K.
+
+    ``x_rows`` is x seen as [M, N, K], stride 0 along N (:func:`gemv_helion` makes the view), so that each
+    thread loads the x values it multiplies, in the weight tile's layout. Broadcasting an [M, K] tile
+    instead takes a layout conversion through shared memory, with barriers, in every K step (the PTX of
+    that form). fp8 and float products are taken in fp32; int8 x int8 ones in int32, exactly, as the
+    tensor cores would (an int-to-float conversion per element is what int8 would otherwise wait on).
+    With ``norm_rows`` (the RMSNorm's weight as [N, K], stride 0 along N) x's rows are RMS-normalized,
+    their squares summed in the same K loop, which covers all of K. Block sizes in ``gemm_kernel``'s
+    order, [M, N, K]; no split-K."""
+    m, n, k = x_rows.size()
+    acc_dtype = torch.int32 if x_rows.dtype == torch.int8 and w_nk.dtype == torch.int8 else torch.float32
     block_m, block_n, block_k = hl.register_block_size(m), hl.register_block_size(n), hl.register_block_size(k)
     for tile_m, tile_n in hl.tile([m, n], block_size=[block_m, block_n]):
-        products = hl.zeros([tile_m, tile_n, block_k], dtype=torch.float32)
-        squares = hl.zeros([tile_m, block_k], dtype=torch.float32)
+        products = hl.zeros([tile_m, tile_n, block_k], dtype=acc_dtype)
+        squares = hl.zeros([tile_m, tile_n, block_k], dtype=torch.float32)
         for tile_k in hl.tile(k, block_size=block_k):
-            x_tile = x[tile_m, tile_k]
-            if norm_weight is not None:
+            x_tile = x_rows[tile_m, tile_n, tile_k]
+            if norm_rows is not None:
                 squares = squares + norm_module.squares(x_tile)
-                x_tile = norm_module.weighted_rows(x_tile, norm_weight[tile_k])
-            w_tile = w_nk[tile_n, tile_k].to(torch.float32)
-            products = products + x_tile.to(torch.float32)[:, None, :] * w_tile[None, :, :]
-        acc = products.sum(-1)
-        if norm_weight is not None:
-            acc = norm_module.scale_rows(acc, squares.sum(-1, keepdim=True), k, eps)
+                x_tile = norm_module.weighted_rows(x_tile, norm_rows[tile_n, tile_k][None, :, :])
+            w_tile = w_nk[tile_n, tile_k].to(acc_dtype)
+            products = products + x_tile.to(acc_dtype) * w_tile[None, :, :]
+        acc = products.sum(-1).to(torch.float32)
+        if norm_rows is not None:
+            acc = norm_module.scale_rows(acc, squares.sum(-1), k, eps)
         out[tile_m, tile_n] = epilogue(acc, operands, scalars, tile_m, tile_n).to(out.dtype)
 
 
@@ -515,12 +522,22 @@ def gemv_helion(x: torch.Tensor, w_kn: torch.Tensor, out: torch.Tensor, operands
                 scalars: list[float], epilogue: TileEpilogue, sig: Signature, config: helion.Config,
                 norm: tuple[torch.Tensor, RmsNormSpec] | None = None) -> torch.Tensor:
     """``out`` from :func:`gemv_kernel` (config key ``gemv``, already taken out of ``config``), which reads
-    the weight as [N, K]. Any input dtypes: 16-bit, and fp8 or int8 rows and weights (quantized before the
-    call), or a float x with an int8 weight; every product is taken in fp32."""
-    weight, eps = norm_kernel_args(norm)
-    args = (x, weight, eps, w_kn.t(), out, operands, scalars, epilogue)
+    the weight as [N, K] and x (and the norm's weight) through stride-0 views as wide as the weight. Any
+    input dtypes: 16-bit, and fp8 or int8 rows and weights (quantized before the call), or a float x with an
+    int8 weight; products in fp32, int8 x int8 ones in int32."""
+    args = gemv_kernel_args(x, w_kn, out, operands, scalars, epilogue, norm)
     compiled_kernel(gemv_kernel, args, sig, gemv_kernel_config(config), 1)(*args)
     return out
+
+
+def gemv_kernel_args(x: torch.Tensor, w_kn: torch.Tensor, out: torch.Tensor, operands: list[torch.Tensor],
+                     scalars: list[float], epilogue: TileEpilogue,
+                     norm: tuple[torch.Tensor, RmsNormSpec] | None = None) -> tuple[object, ...]:
+    """:func:`gemv_kernel`'s arguments: x and the norm's weight as stride-0 views as wide as the weight."""
+    (m, k), n = x.shape, w_kn.shape[1]
+    weight, eps = norm_kernel_args(norm)
+    norm_rows = None if weight is None else weight[None, :].expand(n, k)
+    return x[:, None, :].expand(m, n, k), norm_rows, eps, w_kn.t(), out, operands, scalars, epilogue
 
 
 @functools.cache  # on every launch

@@ -1,0 +1,115 @@
+"""What Triton makes of the GEMV kernel for Hopper (sm_90), compiled on the CPU: no GPU is needed to read
+its PTX, and the PTX shows what the interpreter cannot, where its K loop waits.
+
+The generated code comes from Helion under the interpreter (as in ``test_kernel_interpret.py``); the
+compile runs in a child process without ``TRITON_INTERPRET``, which patches ``triton.language`` process-wide.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytest.importorskip("helion")
+
+import helion  # noqa: E402
+
+from helion_backend.kernels.gemm import gemv_kernel, gemv_kernel_args, tile_epilogue  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs a CPU-only run with TRITON_INTERPRET=1 set before Triton is imported",
+)
+
+# Compiles each generated module's kernel for sm_90 and prints, per module, the PTX instruction counts.
+COMPILE = r"""
+import collections, importlib.util, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+counts = {}
+for path, signature in json.loads(sys.argv[1]).items():
+    spec = importlib.util.spec_from_file_location("generated", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    (fn,) = [getattr(module, name) for name in dir(module) if name.startswith("_helion_")]
+    names = list(fn.arg_names)
+    # The launcher specializes pointers aligned to 16 bytes; without it no load is vectorized.
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if signature[name].startswith("*")}
+    compiled = triton.compile(ASTSource(fn, {name: signature[name] for name in names}, {}, attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 1})
+    lines = compiled.asm["ptx"].splitlines()
+    # The K loop: from its header label to the branch back to it (none where LLVM unrolled it fully).
+    header = next((i for i, line in enumerate(lines) if "Loop Header" in line), None)
+    if header is not None:
+        label = lines[header].split(":")[0]
+        back = next(i for i in range(header + 1, len(lines)) if "bra" in lines[i] and lines[i].rstrip(";").endswith(label))
+    opcodes = lambda part: collections.Counter(line.split()[0] for line in part if line.split())
+    counts[path] = {"all": opcodes(lines), "loop": None if header is None else opcodes(lines[header + 1:back])}
+print(json.dumps(counts))
+"""
+PTX_TYPES = {torch.bfloat16: "*bf16", torch.float8_e4m3fn: "*fp8e4nv", torch.int8: "*i8"}
+M, N, K, BLOCK_K = 1, 256, 4096, 512  # eight K steps
+DTYPES = [(dtype, dtype) for dtype in PTX_TYPES]  # rows and weights alike (the fp8 and int8 ones quantized)
+
+
+def _random(dtype: torch.dtype, *shape: int) -> torch.Tensor:
+    return torch.randint(-100, 100, shape, dtype=dtype) if dtype == torch.int8 else torch.randn(*shape).to(dtype)
+
+
+@pytest.fixture(scope="module")
+def gemv_ptx(tmp_path_factory) -> dict[tuple[str, str], dict[str, int]]:
+    """The PTX opcode counts of the GEMV at one row, for bf16, fp8 and int8 rows and weights, at [16, 4, 512]
+    blocks, whole and in the K loop: one child process compiles all three."""
+    folder = tmp_path_factory.mktemp("gemv_ptx")
+    config = helion.Config(block_sizes=[16, 4, BLOCK_K], num_warps=4, num_stages=1, indexing="pointer")
+    signatures = {}
+    for x_dtype, w_dtype in DTYPES:
+        out = torch.empty(M, N, dtype=torch.bfloat16)
+        args = gemv_kernel_args(_random(x_dtype, M, K), _random(w_dtype, N, K).t(), out, [], [], tile_epilogue(()))
+        path = folder / f"{x_dtype}_{w_dtype}.py".replace("torch.", "")
+        path.write_text(gemv_kernel.bind(args).to_triton_code(config))
+        signatures[str(path)] = {"x_rows": PTX_TYPES[x_dtype], "w_nk": PTX_TYPES[w_dtype], "out": "*bf16"}
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    result = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(signatures)], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    counts = json.loads(result.stdout)
+    return {(str(x), str(w)): counts[str(folder / f"{x}_{w}.py".replace("torch.", ""))] for x, w in DTYPES}
+
+
+def _k_steps(counts: dict[str, dict[str, int] | None]) -> list[dict[str, int]]:
+    """The opcode counts of each K step: the loop body, or, where LLVM unrolled the loop, the whole kernel
+    spread over its K / BLOCK_K steps (rounded up, so a count after the loop reads as at most one a step)."""
+    if counts["loop"] is not None:
+        return [counts["loop"]]
+    steps = K // BLOCK_K
+    return [{op: -(-n // steps) for op, n in counts["all"].items()}]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.int8], ids=str)
+def test_the_gemv_k_loop_takes_no_barrier(gemv_ptx, dtype):
+    """Rows and weights of one dtype: x is read through its stride-0 [M, N, K] view in the weight tile's
+    layout, so no K step converts a tile through shared memory. Broadcasting an [M, K] x tile took four
+    barriers and a shared-memory round trip every step (bf16, fp8, int8 alike)."""
+    counts = gemv_ptx[str(dtype), str(dtype)]
+    (step,) = _k_steps(counts)
+    allowed = 0 if counts["loop"] is not None else 1  # unrolled: the store's one conversion, after the loop
+    shared = {op: n for op, n in step.items() if op.startswith(("bar.sync", "st.shared", "stmatrix", "ldmatrix"))}
+    assert all(n <= allowed for n in shared.values()), shared
+    assert step.get("ld.global.v4.b32", 0) >= 2, step  # x and w by 16-byte loads
+
+
+def test_the_int8_gemv_multiplies_in_int32(gemv_ptx):
+    """int8 x int8 products are integer multiply-adds, exact, with no int-to-float conversion per element."""
+    counts = gemv_ptx[str(torch.int8), str(torch.int8)]["all"]
+    products = counts.get("mad.lo.s32", 0) + counts.get("mul.lo.s32", 0)  # the first step's multiply
+    assert products >= 4 * K // 128, counts  # 4 x 512 products a step over 128 threads
+    assert not any(op.startswith("cvt.rn.f32.s") for op in counts), counts
+    assert counts.get("fma.rn.f32", 0) == 0, counts
