@@ -110,6 +110,12 @@ ONE_BYTE_CANDIDATES = (
     (16, 64, 512, 4, 4, 2, "pointer"),
     (32, 32, 512, 4, 3, 1, "pointer"),
     (32, 64, 512, 8, 3, 1, "pointer"),
+    # More warps on an SM for the fp8 dot's 16-row tiles, which convert both operands to f16 in registers
+    # before mma.sync (96 conversions a thread a 16 x 32 x 512 step, in their PTX): N tiles of 16 give 256
+    # programs at N = 4096 where 32 give one per SM, or 8 warps one program. Not yet swept.
+    (16, 16, 512, 4, 3, 1, "pointer"),
+    (16, 16, 1024, 4, 3, 1, "pointer"),
+    (16, 32, 512, 8, 3, 1, "pointer"),
 )
 # The int4 kernel: K blocks in bytes (128 bytes = 256 columns of K), and each step holds the bytes, their
 # scales and both dequantized nibbles in registers, so shallower blocks than the 16-bit ones.
