@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import helion
 import torch
 
-from .kernels.configs import GEMV, NUM_SMS, PAIRED_LOADS, PREQUANTIZE
+from .kernels.configs import GEMV, NUM_SMS, PAIRED_LOADS, PREQUANTIZE, SWAP_AB
 from .kernels.gemm import glu_kernel_config
 from .tuning_problems import QUANT_FORMAT_OF, TuneKey, quantizes_its_rows, wrapper_keys
 from .vocabulary import (
@@ -164,6 +164,20 @@ WGMMA_CANDIDATES = (
     (64, 32, 512, 4, 3, 2, "pointer"),
     (64, 64, 256, 4, 3, 2, "pointer"),
 )
+# The one-byte GEMMs with the operands swapped (``swap_ab``: ``swapped_lowp_gemm_kernel``, ``w @ x.T``): the
+# weight fills the dot's 64-row side, so N blocks of 64 or 128 (and with them fewer programs: split-K makes up
+# the count), and the row block needs only cover M. A 64-row x tile of the plain dot took 32 KB of shared
+# memory a stage at 512-deep K blocks for 8 real rows, twice the weight's 16 KB; here the rows take 8 KB.
+SWAPPED_CANDIDATES = (
+    (16, 64, 256, 4, 4, 1, "pointer"),
+    (16, 64, 512, 4, 3, 1, "pointer"),
+    (16, 64, 256, 4, 4, 2, "pointer"),
+    (16, 64, 512, 4, 3, 2, "pointer"),
+    (16, 128, 256, 4, 3, 1, "pointer"),
+    (16, 128, 256, 8, 3, 2, "pointer"),
+    (32, 64, 256, 4, 4, 1, "pointer"),
+    (32, 64, 512, 4, 3, 2, "pointer"),
+)
 # Splits beyond this many CTAs only add partial sums to write and read back.
 MAX_SPLIT_CTAS = 4 * NUM_SMS
 
@@ -238,8 +252,17 @@ def candidates_for(key: TuneKey) -> list[helion.Config]:
             candidates += wgmma_candidates(key.m, key.n)
         return [c for c in candidates if c["split_k"] == 1]
     if key.kernel in QUANT_FORMAT_OF:
-        return quant_candidates(key) + gemv_candidates(key)
+        return quant_candidates(key) + gemv_candidates(key) + swapped_candidates(key)
     return candidate_configs(key.m, key.n) + gemv_candidates(key)
+
+
+def swapped_candidates(key: TuneKey) -> list[helion.Config]:
+    """:data:`SWAPPED_CANDIDATES` (``swap_ab``) where the key's wrapper runs the swapped kernel, with
+    ``prequantize`` on a site that quantizes its own rows (the wrapper quantizes them first anyway)."""
+    if SWAP_AB not in wrapper_keys(key):
+        return []
+    rows = {PREQUANTIZE: True} if quantizes_its_rows(key) else {}
+    return candidate_configs(key.m, key.n, SWAPPED_CANDIDATES, **{SWAP_AB: True}, **rows)
 
 
 def gemv_candidates(key: TuneKey) -> list[helion.Config]:

@@ -86,10 +86,13 @@ QUANT_ACTIVATION_DTYPE = "bfloat16"  # of fp8/int8 sites, whose manifest dtype i
 # The helion_backend.quantize format whose layers each quantized family runs.
 QUANT_FORMAT_OF = {"gemm_fp8": "fp8_dynamic", "gemm_int8": "int8_dynamic", "gemm_weight_only": "int8_weight_only",
                    INT4_FAMILY: "int4_weight_only", FP8_BLOCK_FAMILY: "fp8_block"}
-SPLIT_K, PREQUANTIZE, PAIRED_LOADS, GEMV = "split_k", configs.PREQUANTIZE, configs.PAIRED_LOADS, configs.GEMV
-# The families whose wrapper runs the GEMV kernel at one row (``gemv``): the 16-bit GEMM, and the quantized
-# ones that multiply rows quantized before the GEMM (fp8, int8) or a float x by an int8 weight.
-GEMV_FAMILIES = (DEFAULT_KERNEL_FAMILY, "gemm_fp8", "gemm_int8", "gemm_weight_only")
+SPLIT_K, PREQUANTIZE, PAIRED_LOADS = "split_k", configs.PREQUANTIZE, configs.PAIRED_LOADS
+GEMV, SWAP_AB = configs.GEMV, configs.SWAP_AB
+# The quantized families that multiply rows quantized before the GEMM (fp8, int8) or a float x by an int8
+# weight: their wrapper also runs the operands swapped (``swap_ab``).
+SWAP_AB_FAMILIES = ("gemm_fp8", "gemm_int8", "gemm_weight_only")
+# The families whose wrapper runs the GEMV kernel at one row (``gemv``): the 16-bit GEMM and those above.
+GEMV_FAMILIES = (DEFAULT_KERNEL_FAMILY, *SWAP_AB_FAMILIES)
 HELION_TUNABLES = frozenset({SPLIT_K})  # of the searched keys, those Helion's autotuner can hold fixed
 # Launches around the GEMM, never tuned.
 _HELPER_KERNELS = (epilogue_kernel, quantize_rows_kernel, dequantize_groups_kernel)
@@ -165,8 +168,11 @@ class Problem:
         searches = []
         for values in itertools.product(*self.searched.values()):
             fixed = dict(zip(self.searched, values))
-            # The GEMV kernel has no split-K, and its rows are always quantized first (prequantize or not).
-            if fixed.get(GEMV) and (fixed.get(SPLIT_K, 1) != 1 or fixed.get(PREQUANTIZE) is False):
+            # The GEMV kernel has no split-K; it and the swapped kernel always read rows quantized first
+            # (prequantize or not), and they are two forms, not one.
+            if fixed.get(GEMV) and (fixed.get(SPLIT_K, 1) != 1 or fixed.get(SWAP_AB)):
+                continue
+            if (fixed.get(GEMV) or fixed.get(SWAP_AB)) and fixed.get(PREQUANTIZE) is False:
                 continue
             seed = helion.Config(**{**self.current, **fixed})
             searches.append(Search(fixed, seed, functools.partial(gemm_launch, self.run, seed)))
@@ -174,8 +180,8 @@ class Problem:
 
     def table_config(self, found: helion.Config, search: Search) -> helion.Config:
         """``found`` (in the searched kernel's layout) as the table stores it, with the search's own keys. The
-        GEMV kernel's layout is the table's, with or without the norm."""
-        to_table = (lambda config: config) if search.fixed.get(GEMV) else self.to_table
+        GEMV and swapped kernels' layout is the table's, with or without the norm."""
+        to_table = (lambda config: config) if search.fixed.get(GEMV) or search.fixed.get(SWAP_AB) else self.to_table
         return helion.Config(**{**to_table(found), **search.fixed})
 
 
@@ -328,7 +334,7 @@ def wrapper_keys(key: TuneKey) -> dict[str, tuple[bool, ...]]:
     """Our config keys that make ``key``'s wrapper run another kernel, with their values: ``prequantize`` for a
     site that quantizes its own rows (:func:`quantizes_its_rows`) and for block fp8 (whose kernel always
     quantizes its groups itself), ``paired_loads`` for int4, ``gemv`` at one row of the
-    :data:`GEMV_FAMILIES`."""
+    :data:`GEMV_FAMILIES`, ``swap_ab`` for the :data:`SWAP_AB_FAMILIES`."""
     keys: dict[str, tuple[bool, ...]] = {}
     if quantizes_its_rows(key) or key.kernel == FP8_BLOCK_FAMILY:
         keys[PREQUANTIZE] = (False, True)
@@ -336,6 +342,8 @@ def wrapper_keys(key: TuneKey) -> dict[str, tuple[bool, ...]]:
         keys[PAIRED_LOADS] = (False, True)
     if key.kernel in GEMV_FAMILIES and key.m == 1:
         keys[GEMV] = (False, True)
+    if key.kernel in SWAP_AB_FAMILIES:
+        keys[SWAP_AB] = (False, True)
     return keys
 
 

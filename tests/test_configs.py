@@ -122,18 +122,20 @@ def test_malformed_user_table_warns_and_keeps_the_shipped_one(table_dir, tmp_pat
 @pytest.mark.parametrize("fused", ["gemm_glu_fp8", "gemm_multi_fp8"])
 def test_a_fused_family_falls_back_to_its_members_dot_entries_only(table_dir, fused):
     """Without entries of its own a fused fp8 family takes gemm_fp8's, but not a one-row GEMV entry (the fused
-    kernels always dot, and a dot has no N tile of 2): its M = 1 lookup takes the next tuned M."""
+    kernels always dot, and a dot has no N tile of 2) nor a swapped one (they always dot ``x @ w``): its M = 1
+    lookup takes the next tuned M, its M = 8 lookup the one after."""
     def fp8_entry(m, block_n, **ours):
         config = {"block_sizes": [16, block_n, 512], "num_warps": 4, "num_stages": 1, "split_k": 1, **ours}
         return {"kernel": "gemm_fp8", "dtype": "float8_e4m3fn", "k": 4096, "n": 12288, "m": m, "config": config}
 
     (table_dir / "test_gpu.json").write_text(json.dumps({"entries": [
-        fp8_entry(1, 2, **{configs.GEMV: True}), fp8_entry(8, 32), fp8_entry(32, 64)]}))
+        fp8_entry(1, 2, **{configs.GEMV: True}), fp8_entry(8, 128, **{configs.SWAP_AB: True}), fp8_entry(16, 32),
+        fp8_entry(32, 64)]}))
 
     def block_n(kernel: str, m: int) -> int:
         return configs.config_for(m, 4096, 12288, torch.float8_e4m3fn, CUDA, kernel=kernel)["block_sizes"][1]
 
-    assert block_n("gemm_fp8", 1) == 2  # the single GEMM runs its GEMV
+    assert [block_n("gemm_fp8", m) for m in (1, 8)] == [2, 128]  # the single GEMM runs its GEMV, its swap
     assert [block_n(fused, m) for m in (1, 8, 32)] == [32, 32, 64]
 
 

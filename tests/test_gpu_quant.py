@@ -139,6 +139,57 @@ def test_quant_gemv_form_at_one_row(qdtype, tile):
     assert sqnr_db(reference(x, module.qweight.t(), steps, operands, [], torch.bfloat16, program), out) >= 40
 
 
+def _swapped_configs():
+    from helion_backend.kernels.configs import SWAP_AB
+    from helion_backend.tuning_candidates import SWAPPED_CANDIDATES, candidate_configs
+
+    return candidate_configs(32, 1008, SWAPPED_CANDIDATES, **{SWAP_AB: True})
+
+
+@pytest.mark.parametrize("config", _swapped_configs(), ids=lambda c: "x".join(map(str, c["block_sizes"]))
+                         + f"-w{c['num_warps']}-s{c['num_stages']}-k{c['split_k']}")
+@pytest.mark.parametrize("m", [5, 32])
+@pytest.mark.parametrize("qdtype", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])
+def test_quant_swapped_form(qdtype, m, config):
+    """The sweep's ``swap_ab`` tiles (``w @ x.T``, transposed back for the epilogue) on quantized rows, split
+    or not, with an N that no 64-wide block divides, against the unfused quantized graph."""
+    from helion_backend.dispatch import reference
+    from helion_backend.kernels.quant_gemm import quant_gemm_helion
+    from helion_backend.quantize import Fp8DynamicLinear, Int8DynamicLinear
+
+    torch.manual_seed(3)
+    n = 1008
+    linear = nn.Linear(4096, n).to(device="cuda", dtype=torch.bfloat16)
+    module = (Fp8DynamicLinear if qdtype == torch.float8_e4m3fn else Int8DynamicLinear).from_linear(linear)
+    program = _program_of(module)
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    scale = module.weight_scale.reshape(-1).float()
+    steps, operands = ("act_scale", "channel_scale", "bias"), [scale.expand(n), linear.bias.detach()]
+    out = quant_gemm_helion(x, module.qweight.t(), steps, operands, [], torch.bfloat16, program, config=config,
+                            kernel_family="gemm_fp8" if qdtype == torch.float8_e4m3fn else "gemm_int8")
+    assert out.shape == (m, n) and not out.isnan().any()
+    assert sqnr_db(reference(x, module.qweight.t(), steps, operands, [], torch.bfloat16, program), out) >= 40
+
+
+@pytest.mark.parametrize("m", [1, 8, 32])
+def test_weight_only_swapped_form(m):
+    """``swap_ab`` on float rows and an int8 weight (converted to the rows' dtype in the K loop)."""
+    from helion_backend.dispatch import reference
+    from helion_backend.kernels.quant_gemm import quant_gemm_helion
+    from helion_backend.quantize import Int8WeightOnlyLinear
+
+    torch.manual_seed(4)
+    linear = nn.Linear(4096, 1008).to(device="cuda", dtype=torch.bfloat16)
+    module = Int8WeightOnlyLinear.from_linear(linear)
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    steps = ("channel_scale", "bias")
+    operands = [module.weight_scale.reshape(-1).float(), linear.bias.detach()]
+    for config in _swapped_configs()[:4]:
+        out = quant_gemm_helion(x, module.qweight.t(), steps, operands, [], torch.bfloat16, config=config,
+                                kernel_family="gemm_weight_only")
+        assert sqnr_db(reference(x, module.qweight.t(), steps, operands, [], torch.bfloat16), out) >= 40, config
+
+
 @pytest.mark.parametrize("prequantize", [False, True], ids=["fused_scales", "prequantize"])
 @pytest.mark.parametrize("split_k", [1, 2, 4])
 @pytest.mark.parametrize("qdtype", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])

@@ -325,6 +325,59 @@ def test_int8_gemv_form_on_quantized_rows(quantized_by):
     assert rel_err(out, reference(*args).double()) <= 1e-5
 
 
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("m", [5, 40])
+@pytest.mark.parametrize("rows", ["int8", "weight_only"])
+def test_swapped_kernel_matches_the_unfused_graph(rows, m, split_k):
+    """``swap_ab``: ``w @ x.T`` in [N block, M block] tiles, transposed back for the epilogue, which reads its
+    per-row and per-column operands the right way round; M over several row blocks, partial tiles on both
+    sides, a split K. int8 rows Inductor quantized (int32 products), or float rows by an int8 weight."""
+    from helion_backend.dispatch import flatten_operands, reference
+    from helion_backend.kernels.configs import SWAP_AB
+    from helion_backend.kernels.gemm import record_launches
+    from helion_backend.kernels.quant_gemm import quant_gemm_helion, swapped_lowp_gemm_kernel
+
+    k, n = 600, 80
+    w_kn = torch.randint(-128, 128, (n, k), dtype=torch.int8).t()
+    channel, bias = torch.rand(n) + 0.5, torch.randn(n)
+    if rows == "int8":
+        x, scale = int8_per_token(torch.randn(m, k))
+        steps, family = ("cast", "token_scale", "channel_scale", "bias", "relu"), "gemm_int8"
+        operands = flatten_operands([scale, channel, bias], steps, n)
+    else:
+        x, steps, family, operands = torch.randn(m, k), ("channel_scale", "bias", "relu"), "gemm_weight_only", [
+            channel, bias]
+    config = helion.Config(block_sizes=[16, 64, 128], num_warps=4, num_stages=1, split_k=split_k,
+                           **{SWAP_AB: True})
+    with record_launches() as launches:
+        out = quant_gemm_helion(x, w_kn, steps, operands, [], torch.float32, None, config=config,
+                                kernel_family=family)
+    gemms = [launch.kernel for launch in launches if launch.kernel.name != "epilogue_kernel"]
+    assert gemms == [swapped_lowp_gemm_kernel] and out.shape == (m, n) and out.is_contiguous()
+    assert rel_err(out, reference(x, w_kn, steps, operands, [], torch.float32).double()) <= 1e-5
+
+
+def test_swapped_kernel_quantizes_the_rows_first():
+    """A site that quantizes its own rows (``fuse_activation_quant``) runs the swapped form on rows quantized by
+    their own kernel first, whether or not the config says ``prequantize``."""
+    from helion_backend.dispatch import reference
+    from helion_backend.kernels.configs import SWAP_AB
+    from helion_backend.kernels.gemm import record_launches
+    from helion_backend.kernels.quant_gemm import quant_gemm_helion, quantize_rows_kernel, swapped_lowp_gemm_kernel
+
+    m, k, n = 5, 600, 80
+    x = torch.randn(m, k)
+    w_kn = torch.randint(-128, 128, (n, k), dtype=torch.int8).t()
+    program = program_from(int8_per_token, x, w_kn)
+    operands = [torch.rand(n) + 0.5, torch.randn(n)]
+    config = helion.Config(block_sizes=[16, 64, 128], num_warps=4, num_stages=1, split_k=1, **{SWAP_AB: True})
+    with record_launches() as launches:
+        out = quant_gemm_helion(x, w_kn, QUANT_STEPS, operands, [], torch.float32, program, config=config,
+                                kernel_family="gemm_int8")
+    assert [launch.kernel for launch in launches] == [quantize_rows_kernel, swapped_lowp_gemm_kernel]
+    assert rel_err(out, reference(x, w_kn, QUANT_STEPS, operands, [], torch.float32, program).double()) <= 1e-5
+
+
 @pytest.mark.parametrize("gemv", [False, True], ids=["dot", "gemv"])
 @pytest.mark.parametrize("layout", ["kn", "nk"])
 def test_weight_only_int8_kernel(layout, gemv):

@@ -153,6 +153,26 @@ def test_kernels_without_a_gemv_form_try_none(family):
     assert not gemv_configs(family, 1)
 
 
+@pytest.mark.parametrize("family", ["gemm_fp8", "gemm_int8", "gemm_weight_only"])
+def test_the_one_byte_gemms_try_swapped_tiles(family):
+    """fp8, int8 and weight-only int8 also try the swapped form (``swap_ab``): N blocks that fill the dot's
+    64-row side, row blocks that cover M; 32-row blocks only above 16 rows."""
+    from helion_backend.kernels.configs import SWAP_AB
+
+    for m, row_blocks in ((8, {16}), (32, {16, 32})):
+        swapped = [c for c in candidates_for(sweep.sweep_keys(family, ["qwen3_8b"], [m])[0]) if c.get(SWAP_AB)]
+        assert swapped and {c["block_sizes"][0] for c in swapped} == row_blocks
+        assert min(c["block_sizes"][1] for c in swapped) >= 64 and not any(c.get("gemv") for c in swapped)
+
+
+@pytest.mark.parametrize("family", ["gemm", "gemm_glu", "gemm_multi", "gemm_glu_fp8", "gemm_multi_fp8", "gemm_int4",
+                                    "gemm_fp8_block"])
+def test_kernels_without_a_swapped_form_try_none(family):
+    from helion_backend.kernels.configs import SWAP_AB
+
+    assert not [c for c in candidates_for(sweep.sweep_keys(family, ["qwen3_8b"], [8])[0]) if c.get(SWAP_AB)]
+
+
 def gemv_configs(family: str, m: int) -> list[helion.Config]:
     from helion_backend.kernels.configs import GEMV
 

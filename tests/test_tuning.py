@@ -466,14 +466,17 @@ def test_every_family_searches_its_own_keys_and_records_the_table_layout(kernel,
 
     splits = [{"split_k": s} for s in configs.split_k_choices(k.k)]
     # prequantize is searched where the kernel quantizes the rows (block fp8's always does), a pre-quantized
-    # site keeping today's; paired_loads for int4.
+    # site keeping today's; paired_loads for int4; swap_ab for fp8, int8 and weight-only, never on rows the
+    # kernel would quantize.
     def with_both(ours: str) -> list[dict]:
         return [{**s, ours: value} for s in splits for value in (False, True)]
 
-    prequantize = with_both("prequantize")
-    expected = {"gemm_glu": [{}], "gemm_multi": [{}], "gemm_fp8": prequantize if fused else splits,
-                "gemm_int8": prequantize if fused else splits, "gemm_fp8_block": prequantize,
-                "gemm_int4": with_both("paired_loads")}.get(kernel, splits)
+    swapped = with_both("swap_ab")
+    prequantize_swapped = [{**s, "prequantize": p, "swap_ab": w} for s in splits for p in (False, True)
+                           for w in (False, True) if p or not w]
+    expected = {"gemm_glu": [{}], "gemm_multi": [{}], "gemm_fp8": prequantize_swapped if fused else swapped,
+                "gemm_int8": prequantize_swapped if fused else swapped, "gemm_weight_only": swapped,
+                "gemm_fp8_block": with_both("prequantize"), "gemm_int4": with_both("paired_loads")}.get(kernel, splits)
     assert [dict(s.fixed) for s in searches] == expected
     best = problem.table_config(tuner(searches[0], "quick", 1), searches[0])
     ours = {"gemm_fp8_block": "prequantize", "gemm_int4": "paired_loads"}.get(kernel, "prequantize")
@@ -508,15 +511,19 @@ def test_the_16_bit_gemm_searches_its_gemv_form_at_one_row_only(m, ours):
 
 
 @pytest.mark.parametrize("tune_key, ours", [
-    (TuneKey("gemm_fp8", ("token_scale", "channel_scale"), "float8_e4m3fn", 256, 256, 1), {"gemv"}),
-    (TuneKey("gemm_fp8", ("token_scale", "channel_scale"), "float8_e4m3fn", 256, 256, 2), set()),
+    (TuneKey("gemm_fp8", ("token_scale", "channel_scale"), "float8_e4m3fn", 256, 256, 1), {"gemv", "swap_ab"}),
+    (TuneKey("gemm_fp8", ("token_scale", "channel_scale"), "float8_e4m3fn", 256, 256, 2), {"swap_ab"}),
     (TuneKey("gemm_int8", ("act_scale", "channel_scale"), "int8", 256, 256, 1, prologue=("quant_int8_per_token",)),
-     {"prequantize", "gemv"}),
-    (TuneKey("gemm_weight_only", ("channel_scale",), "bfloat16", 256, 256, 1, prologue=("dequant_int8",)), {"gemv"}),
+     {"prequantize", "gemv", "swap_ab"}),
+    (TuneKey("gemm_weight_only", ("channel_scale",), "bfloat16", 256, 256, 1, prologue=("dequant_int8",)),
+     {"gemv", "swap_ab"}),
     (TuneKey("gemm_int4", (), "bfloat16", 256, 256, 1, prologue=("dequant_int4",)), {"paired_loads"}),
+    (TuneKey("gemm_fp8_block", (), "bfloat16", 256, 256, 8, prologue=("quant_fp8_per_group", "dequant_fp8_block")),
+     {"prequantize"}),
 ])
-def test_the_quantized_gemms_search_the_gemv_at_one_row(tune_key, ours):
-    """fp8, int8 and weight-only int8 also run the GEMV kernel at one row, on rows quantized first; int4 does not."""
+def test_the_quantized_gemms_search_the_gemv_at_one_row_and_the_swap(tune_key, ours):
+    """fp8, int8 and weight-only int8 also run the GEMV kernel at one row and the swapped kernel at any M, both
+    on rows quantized first; int4 and block fp8 have neither."""
     assert set(tuning_problems.wrapper_keys(tune_key)) == ours
 
 
@@ -528,6 +535,22 @@ def test_the_gemv_is_searched_once_on_quantized_rows():
                                       searched=searched)
     fixed = [tuple(search.fixed.values()) for search in problem.searches()]
     assert fixed == [(1, False, False), (1, True, False), (1, True, True), (2, False, False), (2, True, False)]
+
+
+def test_the_swap_is_searched_on_quantized_rows_and_never_with_the_gemv():
+    """The swapped kernel, like the GEMV, reads rows quantized first (no search with ``prequantize`` off); it
+    splits K, and it is another form than the GEMV, so no search sets both."""
+    searched = {"split_k": [1, 2], configs.PREQUANTIZE: (False, True), configs.GEMV: (False, True),
+                configs.SWAP_AB: (False, True)}
+    problem = tuning_problems.Problem(run=None, reference=None, fallback=None, current=helion.Config(), epilogue=(),
+                                      searched=searched)
+    fixed = [tuple(search.fixed.values()) for search in problem.searches()]
+    assert fixed == [(1, False, False, False), (1, True, False, False), (1, True, False, True),
+                     (1, True, True, False), (2, False, False, False), (2, True, False, False),
+                     (2, True, False, True)]
+    found = helion.Config(block_sizes=[16, 64, 256], num_warps=4, num_stages=3)
+    swapped = next(search for search in problem.searches() if search.fixed[configs.SWAP_AB])
+    assert problem.table_config(found, swapped) == helion.Config(**found, **swapped.fixed)
 
 
 @pytest.mark.parametrize("normed", [False, True], ids=["plain", "rmsnorm"])

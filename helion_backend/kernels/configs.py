@@ -41,6 +41,9 @@ PAIRED_LOADS = "paired_loads"
 # Another, in the 16-bit GEMM's configs: run the GEMV kernel (elementwise products summed over K after the
 # loop, no tensor-core dot, whose rows Helion pads to 16; see kernels/gemm.py's ``gemv_kernel``).
 GEMV = "gemv"
+# Another, in the fp8, int8 and int8 weight-only configs: run ``swapped_lowp_gemm_kernel``, which multiplies
+# the weight by the rows (``w @ x.T``) so that the dot's 64-row side is the weight's (kernels/quant_gemm.py).
+SWAP_AB = "swap_ab"
 _QUANTIZED_INPUTS = (torch.float8_e4m3fn, torch.int8)
 
 # The split-K finishing pass only reads the fp32 partial sums once; any coalesced tile will do.
@@ -49,7 +52,7 @@ EPILOGUE_CONFIG = helion.Config(block_sizes=[16, 128], num_warps=4, num_stages=1
 
 @functools.cache  # on every launch
 def split_key(config: helion.Config, ours: str) -> tuple[bool, helion.Config]:
-    """Our boolean key ``ours`` (:data:`PREQUANTIZE`, :data:`PAIRED_LOADS`, :data:`GEMV`) and the config
+    """Our boolean key ``ours`` (:data:`PREQUANTIZE`, :data:`PAIRED_LOADS`, :data:`GEMV`, :data:`SWAP_AB`) and the config
     without it, which is what Helion sees."""
     rest = helion.Config(**{key: value for key, value in config.items() if key != ours})
     return bool(config.get(ours, False)), rest
@@ -178,14 +181,15 @@ def _entries(
 ) -> list[TunedEntry]:
     """The family's entries at (K, N); for a fused quantized family without any, its member family's
     (:data:`~helion_backend.vocabulary.CONFIG_FALLBACK`: the sites it fuses, run alone, at that shape), less
-    the :data:`GEMV` ones: the fused kernels always dot, and a GEMV's narrow N tiles are no dot's."""
+    the :data:`GEMV` and :data:`SWAP_AB` ones: the fused kernels always dot ``x @ w``, and a GEMV's narrow N
+    tiles are no dot's."""
     if device.type != "cuda":
         return []
     table = _table(gpu_key(device), user_dir)
     entries = table.get((kernel, dtype_name(dtype), k, n), [])
     if not entries and kernel in CONFIG_FALLBACK:
         member = table.get((CONFIG_FALLBACK[kernel], dtype_name(dtype), k, n), [])
-        entries = [entry for entry in member if not entry.config.get(GEMV)]
+        entries = [entry for entry in member if not (entry.config.get(GEMV) or entry.config.get(SWAP_AB))]
     return entries
 
 

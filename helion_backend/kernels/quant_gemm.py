@@ -22,6 +22,10 @@ float activation with a one-byte weight converted block by block (int8 weight-on
 At one row the config key ``gemv`` runs the same inputs through :func:`.gemm.gemv_kernel` instead (products
 in fp32, int8 x int8 ones in int32; no tensor-core dot), on rows quantized before it (as with ``prequantize``, where the site quantizes).
 
+``swapped_lowp_gemm_kernel`` (config key ``swap_ab``) multiplies the same inputs with the operands swapped,
+``w @ x.T``, and transposes each tile back before the epilogue: on Hopper the dot's 64-row side is then the
+weight's, not a few rows padded to 64.
+
 ``int4_gemm_kernel`` reads a packed int4 weight (two columns of K per byte) and its group scales, and
 dequantizes each block in registers exactly as the graph did (nibble, minus the zero point, times the
 scale, rounded to the activation's dtype) before the tensor cores multiply it in that dtype. The config
@@ -59,10 +63,11 @@ from ..vocabulary import (
     QUANT_DTYPES,
     SUPPORTED_DTYPES,
 )
-from .configs import GEMV, PAIRED_LOADS, PREQUANTIZE, config_for, split_key
+from .configs import GEMV, PAIRED_LOADS, PREQUANTIZE, SWAP_AB, config_for, split_key
 from .gemm import (
     Layout,
     Signature,
+    TileEpilogue,
     check_family_steps,
     check_operands,
     compiled_kernel,
@@ -166,6 +171,37 @@ def lowp_gemm_kernel(
                 weight = (w[tile_k, tile_n].to(torch.float32) * row_scale[:, None]).to(x.dtype)
             acc = hl.dot(x[tile_m, tile_k], weight, acc=acc)
         result = acc.to(torch.float32)
+        if split_k == 1:
+            result = epilogue(result, operands, scalars, tile_m, tile_n)
+        out[tile_split.id, tile_m, tile_n] = result.to(out.dtype)
+
+
+@helion.kernel(static_shapes=True, autotune_effort="none")
+def swapped_lowp_gemm_kernel(
+    x: torch.Tensor,
+    w_nk: torch.Tensor,
+    out: torch.Tensor,
+    operands: list[torch.Tensor],
+    scalars: list[float],
+    epilogue: Callable[..., torch.Tensor],
+) -> None:
+    """``lowp_gemm_kernel`` (without block scales) with the operands swapped: each program computes
+    ``(w_nk @ x.T)`` for an [N block, M block] tile, then transposes it for the epilogue and the store.
+    Hopper's wgmma takes 64 rows of its first operand: in ``x @ w`` those are x's, mostly masked padding at
+    decode sizes (a 64-row x tile in shared memory for 8 real rows, taking the room of the weight's
+    stages); swapped, the 64 rows are the weight's and the row block only needs to cover M. Block sizes in
+    ``gemm_kernel``'s order, [M, N, K], so that the config table reads the same."""
+    m, k = x.size()
+    n = w_nk.size(0)
+    block_m, block_n, block_k = hl.register_block_size(m), hl.register_block_size(n), hl.register_block_size(k)
+    split_k = hl.register_tunable("split_k", PowerOfTwoFragment(1, 64, 1))
+    k_per_split = helion.cdiv(helion.cdiv(k, split_k), 256) * 256
+    acc_dtype = torch.int32 if x.dtype == torch.int8 else torch.float32
+    for tile_n, tile_m, tile_split in hl.tile([n, m, k], block_size=[block_n, block_m, k_per_split]):
+        acc = hl.zeros([tile_n, tile_m], dtype=acc_dtype)
+        for tile_k in hl.tile(tile_split.begin, tile_split.end, block_size=block_k):
+            acc = hl.dot(w_nk[tile_n, tile_k].to(x.dtype), x[tile_m, tile_k].T, acc=acc)
+        result = acc.to(torch.float32).T
         if split_k == 1:
             result = epilogue(result, operands, scalars, tile_m, tile_n)
         out[tile_split.id, tile_m, tile_n] = result.to(out.dtype)
@@ -328,8 +364,9 @@ def quant_gemm_helion(
     if config is None:
         config = config_for(m, k, n, gemm_dtype, x.device, config_dir, kernel_family)
     prequantize, config = split_key(config, PREQUANTIZE)
-    # The GEMV form multiplies rows quantized before it: where the kernel would quantize them, they are first.
-    prequantize = (prequantize or bool(config.get(GEMV))) and program is not None
+    # The GEMV and swapped forms multiply rows quantized before them: where the kernel would quantize them,
+    # they are first.
+    prequantize = (prequantize or bool(config.get(GEMV)) or bool(config.get(SWAP_AB))) and program is not None
     if prequantize:
         quantized, scale = quantize_rows(x, program)
         # The rows' scale becomes an epilogue operand; it commutes with the scaling steps before act_scale.
@@ -341,6 +378,9 @@ def quant_gemm_helion(
     if gemv:
         out = torch.empty((m, n), dtype=out_dtype, device=x.device)
         return gemv_helion(x, w_kn, out, operands, scalars, tile_epilogue(steps), sig, config)
+    swap_ab, config = split_key(config, SWAP_AB)
+    if swap_ab:
+        return _swapped_gemm(x, w_kn, tile_epilogue(steps), operands, scalars, out_dtype, sig, config)
     if m == 1 and program is None and config.get("block_sizes", [0])[0] > 16:
         # One row gets a row block of 1 whatever the config says (Helion pads the dot itself, for mma.sync);
         # two identical rows take the config's block, and 64 rows run Hopper's wgmma.
@@ -356,6 +396,18 @@ def quant_gemm_helion(
     else:
         kernel, args = lowp_gemm_kernel, (x, w_kn, None, target, operands, scalars, epilogue)
     compiled_kernel(kernel, args, (sig, program), config, target.shape[0])(*args)
+    return finish_split_k(target, out, split_k, sig, operands, scalars, epilogue)
+
+
+def _swapped_gemm(x: torch.Tensor, w_kn: torch.Tensor, epilogue: TileEpilogue, operands: list[torch.Tensor],
+                  scalars: list[float], out_dtype: torch.dtype, sig: Signature, config: helion.Config) -> torch.Tensor:
+    """The GEMM by :func:`swapped_lowp_gemm_kernel` (config key ``swap_ab``, already taken out of ``config``)."""
+    (m, k), n = x.shape, w_kn.shape[1]
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    split_k = config.get("split_k", 1)
+    target = split_k_target(out, k, split_k)
+    args = (x, w_kn.t(), target, operands, scalars, epilogue)
+    compiled_kernel(swapped_lowp_gemm_kernel, args, sig, config, target.shape[0])(*args)
     return finish_split_k(target, out, split_k, sig, operands, scalars, epilogue)
 
 
