@@ -1,5 +1,6 @@
-"""What Triton makes of the GEMV kernel for Hopper (sm_90), compiled on the CPU: no GPU is needed to read
-its PTX, and the PTX shows what the interpreter cannot, where its K loop waits.
+"""What Triton makes of the GEMV kernel and the swapped one-byte GEMM for Hopper (sm_90), compiled on the CPU:
+no GPU is needed to read their PTX, and the PTX shows what the interpreter cannot, where the GEMV's K loop
+waits and which tensor-core instruction the GEMM runs.
 
 The generated code comes from Helion under the interpreter (as in ``test_kernel_interpret.py``); the
 compile runs in a child process without ``TRITON_INTERPRET``, which patches ``triton.language`` process-wide.
@@ -9,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,23 +30,27 @@ pytestmark = pytest.mark.skipif(
     reason="needs a CPU-only run with TRITON_INTERPRET=1 set before Triton is imported",
 )
 
-# Compiles each generated module's kernel for sm_90 and prints, per module, the PTX instruction counts.
+# Compiles each generated module's kernel for sm_90 and prints, per module, the PTX instruction counts. A
+# module's entry gives its pointer types, its constexpr arguments' values and its stages.
 COMPILE = r"""
 import collections, importlib.util, json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 counts = {}
-for path, signature in json.loads(sys.argv[1]).items():
+for path, kernel in json.loads(sys.argv[1]).items():
     spec = importlib.util.spec_from_file_location("generated", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     (fn,) = [getattr(module, name) for name in dir(module) if name.startswith("_helion_")]
     names = list(fn.arg_names)
+    constants = kernel["constants"]
+    signature = {name: "constexpr" if name in constants else kernel["pointers"].get(name, "i32") for name in names}
     # The launcher specializes pointers aligned to 16 bytes; without it no load is vectorized.
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if signature[name].startswith("*")}
-    compiled = triton.compile(ASTSource(fn, {name: signature[name] for name in names}, {}, attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 1})
+    constexprs = {(i,): constants[name] for i, name in enumerate(names) if name in constants}
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "num_stages": kernel["num_stages"]})
     lines = compiled.asm["ptx"].splitlines()
     # The K loop: from its header label to the branch back to it (none where LLVM unrolled it fully).
     header = next((i for i, line in enumerate(lines) if "Loop Header" in line), None)
@@ -63,24 +70,31 @@ def _random(dtype: torch.dtype, *shape: int) -> torch.Tensor:
     return torch.randint(-100, 100, shape, dtype=dtype) if dtype == torch.int8 else torch.randn(*shape).to(dtype)
 
 
+def _ptx_counts(kernels: dict[str, dict]) -> dict[str, dict]:
+    """``COMPILE``'s opcode counts of each module in ``kernels`` (path -> pointers, constants, stages), from
+    one child process."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    result = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(kernels)], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
 @pytest.fixture(scope="module")
 def gemv_ptx(tmp_path_factory) -> dict[tuple[str, str], dict[str, int]]:
     """The PTX opcode counts of the GEMV at one row, for bf16, fp8 and int8 rows and weights, at [16, 4, 512]
     blocks, whole and in the K loop: one child process compiles all three."""
     folder = tmp_path_factory.mktemp("gemv_ptx")
     config = helion.Config(block_sizes=[16, 4, BLOCK_K], num_warps=4, num_stages=1, indexing="pointer")
-    signatures = {}
+    kernels = {}
     for x_dtype, w_dtype in DTYPES:
         out = torch.empty(M, N, dtype=torch.bfloat16)
         args = gemv_kernel_args(_random(x_dtype, M, K), _random(w_dtype, N, K).t(), out, [], [], tile_epilogue(()))
         path = folder / f"{x_dtype}_{w_dtype}.py".replace("torch.", "")
         path.write_text(gemv_kernel.bind(args).to_triton_code(config))
-        signatures[str(path)] = {"x_rows": PTX_TYPES[x_dtype], "w_nk": PTX_TYPES[w_dtype], "out": "*bf16"}
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    result = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(signatures)], env=env, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    counts = json.loads(result.stdout)
+        pointers = {"x_rows": PTX_TYPES[x_dtype], "w_nk": PTX_TYPES[w_dtype], "out": "*bf16"}
+        kernels[str(path)] = {"pointers": pointers, "constants": {}, "num_stages": 1}
+    counts = _ptx_counts(kernels)
     return {(str(x), str(w)): counts[str(folder / f"{x}_{w}.py".replace("torch.", ""))] for x, w in DTYPES}
 
 
@@ -113,3 +127,32 @@ def test_the_int8_gemv_multiplies_in_int32(gemv_ptx):
     assert products >= 4 * K // 128, counts  # 4 x 512 products a step over 128 threads
     assert not any(op.startswith("cvt.rn.f32.s") for op in counts), counts
     assert counts.get("fma.rn.f32", 0) == 0, counts
+
+
+@pytest.mark.parametrize("dtype, mma", [(torch.float8_e4m3fn, "f32.e4m3.e4m3"), (torch.int8, "s32.s8.s8")], ids=str)
+def test_the_swapped_gemm_puts_the_weight_on_wgmmas_64_rows(dtype, mma, tmp_path):
+    """``swap_ab`` at 8 rows, 16 x 64 x 256 blocks: wgmma's 64-row side holds 64 weight rows and its N side
+    the 16-row block of tokens (``m64n16``), in the one-byte type, with no conversion of the inputs; the plain
+    dot needs a 64-row block of x for Hopper's wgmma."""
+    from helion_backend.kernels.quant_gemm import swapped_lowp_gemm_kernel
+
+    rows, n, k, stages = 8, 1024, 4096, 4
+    config = helion.Config(block_sizes=[16, 64, 256], num_warps=4, num_stages=stages, split_k=1, indexing="pointer")
+    out = torch.empty(1, rows, n, dtype=torch.bfloat16)
+    args = (_random(dtype, rows, k), _random(dtype, n, k), out, [], [], tile_epilogue(()))
+    bound = swapped_lowp_gemm_kernel.bind(args)
+    path = tmp_path / "swapped.py"
+    path.write_text(bound.to_triton_code(config))
+    # The split's K extent is the kernel's one constexpr argument (one split: all of K).
+    pointers = {"x": PTX_TYPES[dtype], "w_nk": PTX_TYPES[dtype], "out": "*bf16"}
+    (split,) = [name for name in _kernel_arguments(path) if name.startswith("_BLOCK_SIZE")]
+    counts = _ptx_counts({str(path): {"pointers": pointers, "constants": {split: k}, "num_stages": stages}})
+    ops = counts[str(path)]["all"]
+    assert any(op.startswith(f"wgmma.mma_async.sync.aligned.m64n16k32.{mma}") for op in ops), ops
+    assert not any(op.startswith(("cvt.rn.f16x2.e4m3x2", "cvt.rn.f32.s8", "ldmatrix")) for op in ops), ops
+
+
+def _kernel_arguments(path: Path) -> list[str]:
+    """The argument names of the generated module's Triton kernel."""
+    header = re.search(r"def _helion_\w+\(([^)]*)\)", path.read_text()).group(1)
+    return [argument.split(":")[0].strip() for argument in header.split(",")]
