@@ -13,7 +13,7 @@ quantized ones. For each key, with the key's :class:`~.tuning_problems.Problem`,
      (``benchmarks/sweep_gemm_configs.py --write-manifest`` lists them);
    - ``quick`` and ``full`` (Helion's presets): Helion's autotuner on the family's GEMM kernel, once per
      value of the family's config keys that a search cannot explore (``split_k``, and ours: ``prequantize``,
-     ``paired_loads``, ``gemv``; see :mod:`.tuning_problems`), seeded with the config
+     ``paired_loads``, ``gemv``, ``swap_ab``; see :mod:`.tuning_problems`), seeded with the config
      the backend runs today; the searches share the key's ``--budget-per-key`` (30-300 s a key);
 2. runs each candidate, and today's config (so that no key ends slower than it was), end to end through
    the family's wrapper (split-K finishing pass and config adaptation included) against the reference and

@@ -325,13 +325,15 @@ def test_int8_gemv_form_on_quantized_rows(quantized_by):
     assert rel_err(out, reference(*args).double()) <= 1e-5
 
 
+@pytest.mark.parametrize("layout", ["nk", "kn"])
 @pytest.mark.parametrize("split_k", [1, 2])
 @pytest.mark.parametrize("m", [5, 40])
 @pytest.mark.parametrize("rows", ["int8", "weight_only"])
-def test_swapped_kernel_matches_the_unfused_graph(rows, m, split_k):
+def test_swapped_kernel_matches_the_unfused_graph(rows, m, split_k, layout):
     """``swap_ab``: ``w @ x.T`` in [N block, M block] tiles, transposed back for the epilogue, which reads its
     per-row and per-column operands the right way round; M over several row blocks, partial tiles on both
-    sides, a split K. int8 rows Inductor quantized (int32 products), or float rows by an int8 weight."""
+    sides, a split K, the weight stored [N, K] (``nn.Linear``'s) or [K, N]. int8 rows Inductor quantized
+    (int32 products), or float rows by an int8 weight."""
     from helion_backend.dispatch import flatten_operands, reference
     from helion_backend.kernels.configs import SWAP_AB
     from helion_backend.kernels.gemm import record_launches
@@ -339,6 +341,7 @@ def test_swapped_kernel_matches_the_unfused_graph(rows, m, split_k):
 
     k, n = 600, 80
     w_kn = torch.randint(-128, 128, (n, k), dtype=torch.int8).t()
+    w_kn = w_kn if layout == "nk" else w_kn.contiguous()
     channel, bias = torch.rand(n) + 0.5, torch.randn(n)
     if rows == "int8":
         x, scale = int8_per_token(torch.randn(m, k))
