@@ -56,7 +56,8 @@ for path, kernel in json.loads(sys.argv[1]).items():
     header = next((i for i, line in enumerate(lines) if "Loop Header" in line), None)
     if header is not None:
         label = lines[header].split(":")[0]
-        back = next(i for i in range(header + 1, len(lines)) if "bra" in lines[i] and lines[i].rstrip(";").endswith(label))
+        back = next(i for i in range(header + 1, len(lines))
+                    if "bra" in lines[i] and lines[i].rstrip(";").endswith(label))
     opcodes = lambda part: collections.Counter(line.split()[0] for line in part if line.split())
     counts[path] = {"all": opcodes(lines), "loop": None if header is None else opcodes(lines[header + 1:back])}
 print(json.dumps(counts))

@@ -52,8 +52,8 @@ EPILOGUE_CONFIG = helion.Config(block_sizes=[16, 128], num_warps=4, num_stages=1
 
 @functools.cache  # on every launch
 def split_key(config: helion.Config, ours: str) -> tuple[bool, helion.Config]:
-    """Our boolean key ``ours`` (:data:`PREQUANTIZE`, :data:`PAIRED_LOADS`, :data:`GEMV`, :data:`SWAP_AB`) and the config
-    without it, which is what Helion sees."""
+    """Our boolean key ``ours`` (:data:`PREQUANTIZE`, :data:`PAIRED_LOADS`, :data:`GEMV`, :data:`SWAP_AB`) and
+    the config without it, which is what Helion sees."""
     rest = helion.Config(**{key: value for key, value in config.items() if key != ours})
     return bool(config.get(ours, False)), rest
 

@@ -20,7 +20,8 @@ only with the option ``fuse_activation_quant``.
 ``lowp_gemm_kernel`` multiplies inputs as they come: fp8 x fp8 or int8 x int8 (already quantized), or a
 float activation with a one-byte weight converted block by block (int8 weight-only, block fp8's weight).
 At one row the config key ``gemv`` runs the same inputs through :func:`.gemm.gemv_kernel` instead (products
-in fp32, int8 x int8 ones in int32; no tensor-core dot), on rows quantized before it (as with ``prequantize``, where the site quantizes).
+in fp32, int8 x int8 ones in int32; no tensor-core dot), on rows quantized before it (as with
+``prequantize``, where the site quantizes).
 
 ``swapped_lowp_gemm_kernel`` (config key ``swap_ab``) multiplies the same inputs with the operands swapped,
 ``w @ x.T``, and transposes each tile back before the epilogue: on Hopper the dot's 64-row side is then the
