@@ -68,7 +68,6 @@ from .configs import GEMV, PAIRED_LOADS, PREQUANTIZE, SWAP_AB, config_for, split
 from .gemm import (
     Layout,
     Signature,
-    TileEpilogue,
     check_family_steps,
     check_operands,
     compiled_kernel,
@@ -380,11 +379,10 @@ def quant_gemm_helion(
         out = torch.empty((m, n), dtype=out_dtype, device=x.device)
         return gemv_helion(x, w_kn, out, operands, scalars, tile_epilogue(steps), sig, config)
     swap_ab, config = split_key(config, SWAP_AB)
-    if swap_ab:
-        return _swapped_gemm(x, w_kn, tile_epilogue(steps), operands, scalars, out_dtype, sig, config)
-    if m == 1 and program is None and config.get("block_sizes", [0])[0] > 16:
+    if m == 1 and program is None and not swap_ab and config.get("block_sizes", [0])[0] > 16:
         # One row gets a row block of 1 whatever the config says (Helion pads the dot itself, for mma.sync);
-        # two identical rows take the config's block, and 64 rows run Hopper's wgmma.
+        # two identical rows take the config's block, and 64 rows run Hopper's wgmma. (Swapped, the rows are
+        # the dot's narrow side, which any block covers.)
         rows = [op if op.ndim == 1 else _two_rows(op) for op in operands]
         return quant_gemm_helion(_two_rows(x), w_kn, steps, rows, scalars, out_dtype, None, config=config,
                                  kernel_family=kernel_family)[:1]
@@ -392,23 +390,13 @@ def quant_gemm_helion(
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     split_k = config.get("split_k", 1)
     target = split_k_target(out, k, split_k)
-    if program is not None:
+    if swap_ab:
+        kernel, args = swapped_lowp_gemm_kernel, (x, w_kn.t(), target, operands, scalars, epilogue)
+    elif program is not None:
         kernel, args = quant_gemm_kernel, (x, w_kn, target, operands, scalars, *program_functions(program), epilogue)
     else:
         kernel, args = lowp_gemm_kernel, (x, w_kn, None, target, operands, scalars, epilogue)
     compiled_kernel(kernel, args, (sig, program), config, target.shape[0])(*args)
-    return finish_split_k(target, out, split_k, sig, operands, scalars, epilogue)
-
-
-def _swapped_gemm(x: torch.Tensor, w_kn: torch.Tensor, epilogue: TileEpilogue, operands: list[torch.Tensor],
-                  scalars: list[float], out_dtype: torch.dtype, sig: Signature, config: helion.Config) -> torch.Tensor:
-    """The GEMM by :func:`swapped_lowp_gemm_kernel` (config key ``swap_ab``, already taken out of ``config``)."""
-    (m, k), n = x.shape, w_kn.shape[1]
-    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    split_k = config.get("split_k", 1)
-    target = split_k_target(out, k, split_k)
-    args = (x, w_kn.t(), target, operands, scalars, epilogue)
-    compiled_kernel(swapped_lowp_gemm_kernel, args, sig, config, target.shape[0])(*args)
     return finish_split_k(target, out, split_k, sig, operands, scalars, epilogue)
 
 
