@@ -315,3 +315,23 @@ def test_gated_mlp_with_rmsnorm_prologue_under_cuda_graphs(m, spelling):
     assert (gate.rule, gate.kernel, gate.epilogue) == ("gated_mlp", "gemm_glu", ["silu", "up_mul"]), gate
     assert gate.prologue == (["rmsnorm"] if m <= 8 else []), gate
     assert all(s.runs_on == ("helion" if m <= 32 else "inductor") for s in (gate, down)), (gate, down)
+
+
+def test_the_rotary_product_of_a_hugging_face_decoder_stays_with_inductor():
+    """Hugging Face's ``inv_freq @ position_ids`` (expanded views; an ``mm`` with K = 1 in the CUDA post-grad
+    graph) ran on Helion and came out 256 times too large; it is Inductor's now, and exact."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2, device="cuda").float() / 64))
+    position_ids = torch.arange(7, device="cuda")[None, :]
+
+    def angles(inv_freq, position_ids):
+        freqs = inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1) @ position_ids[:, None, :].float()
+        emb = torch.cat((freqs.transpose(1, 2), freqs.transpose(1, 2)), dim=-1)
+        return emb.cos(), emb.sin()
+
+    helion_backend.clear_reports()
+    cos, sin = torch.compile(angles, backend="helion_inductor")(inv_freq, position_ids)
+    freqs = (inv_freq.double()[:, None] @ position_ids.double()).t()
+    emb = torch.cat((freqs, freqs), dim=-1)[None]
+    assert (cos.double() - emb.cos()).abs().max() < 1e-5 and (sin.double() - emb.sin()).abs().max() < 1e-5
+    found = [s for r in helion_backend.get_reports() for s in r.sites]
+    assert all(s.runs_on == "inductor" for s in found), [r.summary() for r in helion_backend.get_reports()]

@@ -223,3 +223,16 @@ def test_gated_kernel_with_rmsnorm(m, round_before_weight):
     unfused_error = rel_err(torch.cat(unfused), exact)
     assert not out.isnan().any()
     assert rel_err(out, exact) <= max(1.25 * unfused_error, 1e-4), unfused_error
+
+
+@pytest.mark.parametrize("m, k, n", [(1, 64, 7), (14, 64, 1), (1, 256, 1), (5, 3, 6), (3, 2, 1), (33, 17, 9)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiny_and_size_one_dimensions_under_the_default_config(m, k, n, dtype):
+    check(m, k, n, dtype, "nk", ("bias", "scale"))
+
+
+def test_a_k_of_one_is_refused():
+    """What the rotary embedding's product of frequencies by positions came to on the GPU: 256 times the
+    product (a K block of copies of the one column) before the kernels refused a K of one."""
+    with pytest.raises(ValueError, match="K=1"):
+        check(32, 1, 7, torch.float32, "kn", ())

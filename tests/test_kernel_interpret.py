@@ -997,3 +997,19 @@ def test_quantized_sibling_kernels_refuse_mismatched_operands():
     with pytest.raises(ValueError, match=r"read 1 tensor operand\(s\) and 0 scalar\(s\), got 0 and 0"):
         glu_gemm_helion(xq, w, w, ("silu", "up_mul"), [], [], torch.float32, up_steps=("channel_scale",),
                         kernel_family="gemm_glu_int8")
+
+
+@pytest.mark.parametrize("m, k, n", [(1, 64, 7), (14, 64, 1), (5, 3, 6), (3, 2, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiny_and_size_one_dimensions_match_float64(m, k, n, dtype):
+    out, ref = run(m, k, n, dtype, "kn", ("scale",), split_k=1)
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("m, n", [(32, 7), (1, 1)])
+def test_a_k_of_one_is_refused(m, n):
+    """Helion tiles a static K of one as a full K block of copies of its column (the product times the
+    block size, as a rotary embedding's ``inv_freq @ position_ids`` came out on the GPU): refused, so the
+    fused op falls back instead of returning it."""
+    with pytest.raises(ValueError, match="K=1"):
+        run(m, 1, n, torch.float32, "kn", (), split_k=1)

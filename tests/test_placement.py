@@ -61,3 +61,25 @@ def test_max_helion_size_bounds_every_verdict(tables):
     tables.update({8: Verdict(8, True)})
     runs_on, why, _ = place(8, max_helion_size=4)
     assert runs_on == "inductor" and "M=8 >" in why
+
+
+def place_site(k: int, dtype: torch.dtype, tf32: bool) -> tuple[str, str | None, int]:
+    site = SimpleNamespace(k=k, dtype=dtype, device=CUDA, static_m=1)
+    ctx = SimpleNamespace(options=SimpleNamespace(max_helion_size=32, config_dir=""), tf32=tf32)
+    return placement.place(site, ctx, "gemm", N)
+
+
+@pytest.mark.parametrize("k", [1, 7, placement.MIN_KERNEL_K - 1])
+def test_a_k_too_short_for_a_dot_stays_with_inductor(tables, k):
+    runs_on, why, _ = place_site(k, torch.bfloat16, tf32=False)
+    assert runs_on == "inductor" and f"K={k} < {placement.MIN_KERNEL_K}" in why
+    assert place_site(placement.MIN_KERNEL_K, torch.bfloat16, tf32=False)[0] == "helion"
+
+
+def test_float32_follows_pytorchs_tf32_setting(tables):
+    """The kernels dot float32 in full precision: where PyTorch may use TF32 the site is Inductor's, whose GEMM
+    then does as PyTorch does; 16-bit sites do not depend on the setting."""
+    runs_on, why, _ = place_site(K, torch.float32, tf32=True)
+    assert runs_on == "inductor" and "TF32 allowed" in why
+    assert place_site(K, torch.float32, tf32=False)[0] == "helion"
+    assert place_site(K, torch.bfloat16, tf32=True)[0] == "helion"

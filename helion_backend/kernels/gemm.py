@@ -349,11 +349,21 @@ class Signature(NamedTuple):
                    None if norm is None else Layout.of(norm[0]))
 
 
+def check_gemm_shapes(x: Layout, w: Layout) -> None:
+    """x [M, K] and w_kn [K, N], with K > 1: Helion 1.4 drops the mask of a tiled dimension whose static size
+    is one, so a K of one would be read as a full K block of copies of its one column and summed (the result
+    times the block size). The compile side never sends such a site (``passes.placement.MIN_KERNEL_K``)."""
+    if len(x.shape) != 2 or len(w.shape) != 2 or x.shape[1] != w.shape[0]:
+        raise ValueError(f"expected x [M, K] and w_kn [K, N], got {x.shape} and {w.shape}")
+    if x.shape[1] == 1:
+        raise ValueError(f"K=1 (x {x.shape}, w_kn {w.shape}) is an outer product, not a GEMM: Helion's tiling of "
+                         "a size-one K is wrong, so the kernels refuse it")
+
+
 @functools.cache
 def check_signature(sig: Signature) -> None:
     """Reject, once per signature, what the kernel would compute wrongly or fail on deep inside Helion."""
-    if len(sig.x.shape) != 2 or len(sig.w.shape) != 2 or sig.x.shape[1] != sig.w.shape[0]:
-        raise ValueError(f"expected x [M, K] and w_kn [K, N], got {sig.x.shape} and {sig.w.shape}")
+    check_gemm_shapes(sig.x, sig.w)
     if sig.x.dtype != sig.w.dtype or sig.x.dtype not in SUPPORTED_INPUT_DTYPES:
         raise ValueError(
             f"x and w_kn must share one of {SUPPORTED_INPUT_DTYPES}, got {sig.x.dtype}, {sig.w.dtype}"
@@ -623,8 +633,7 @@ def glu_gemm_helion(
 def check_quantized_signature(sig: Signature, family: str) -> None:
     """A quantized fused family's GEMM: x [M, K] and w_kn [K, N] both of the family's quantized dtype (rows
     quantized before the kernel), no norm, and the epilogue's operands as :func:`check_operands` wants."""
-    if len(sig.x.shape) != 2 or len(sig.w.shape) != 2 or sig.x.shape[1] != sig.w.shape[0]:
-        raise ValueError(f"expected x [M, K] and w_kn [K, N], got {sig.x.shape} and {sig.w.shape}")
+    check_gemm_shapes(sig.x, sig.w)
     (dtype,) = (RULE_DTYPES[name] for name in KERNEL_FAMILIES[MEMBER_FAMILY[family]].dtypes)
     if sig.x.dtype != dtype or sig.w.dtype != dtype:
         raise ValueError(f"the {family} kernel multiplies {dtype} rows by {dtype} weights, got {sig.x.dtype} and "

@@ -69,6 +69,7 @@ from .gemm import (
     Layout,
     Signature,
     check_family_steps,
+    check_gemm_shapes,
     check_operands,
     compiled_kernel,
     finish_split_k,
@@ -416,8 +417,7 @@ def quantize_rows(x: torch.Tensor, program: QuantProgram) -> tuple[torch.Tensor,
 
 
 def _check_inputs(x: torch.Tensor, w_kn: torch.Tensor, program: QuantProgram | None) -> None:
-    if x.dim() != 2 or w_kn.dim() != 2 or x.shape[1] != w_kn.shape[0]:
-        raise ValueError(f"expected x [M, K] and w_kn [K, N], got {tuple(x.shape)} and {tuple(w_kn.shape)}")
+    check_gemm_shapes(Layout.of(x), Layout.of(w_kn))
     quantized = program.quant_dtype if program is not None else x.dtype
     if w_kn.dtype not in QUANT_DTYPES.values():
         raise ValueError(f"the weight must be one of {list(QUANT_DTYPES.values())}, got {w_kn.dtype}")

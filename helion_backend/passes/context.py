@@ -166,12 +166,20 @@ class AttentionSite:
     fused: fx.Node | None = None
 
 
+def tf32_matmuls_allowed() -> bool:
+    """Whether PyTorch lets float32 CUDA matmuls use TF32 (``torch.backends.cuda.matmul.allow_tf32``, which
+    ``torch.set_float32_matmul_precision("high")`` sets too)."""
+    return bool(torch.backends.cuda.matmul.allow_tf32)
+
+
 @dataclass
 class PassContext:
     graph: fx.Graph
     options: BackendOptions
     rules: list[Rule]
     report: GraphReport
+    # Whether PyTorch's float32 CUDA matmuls may use TF32 (read once per compile: part of the pass uuid).
+    tf32: bool = False
     sites: list[GemmSite] = field(default_factory=list)
     # GEMM nodes no rule can anchor on, with the reason (the report's ``unfused_gemms``).
     unanchored: list[tuple[fx.Node, str]] = field(default_factory=list)

@@ -28,7 +28,7 @@ from ..report import AttentionReport, GraphReport, SiteReport, UnfusedGemm, dim_
 from ..rules import builtin_rule_files, load_rules, rules_digest
 from ..vocabulary import dtype_name
 from . import ANALYSIS, TRANSFORMS
-from .context import AttentionSite, GemmSite, PassContext
+from .context import AttentionSite, GemmSite, PassContext, tf32_matmuls_allowed
 
 log = logging.getLogger(__name__)
 _graph_ids = itertools.count()
@@ -53,6 +53,7 @@ class HelionPassManager(CustomGraphPass):
         self.options = options
         self.rule_files = [*(builtin_rule_files() if options.builtin_rules else []), *map(Path, options.rules)]
         self.rules = sorted(load_rules(self.rule_files), key=lambda r: -r.priority)
+        self.tf32 = tf32_matmuls_allowed()
         self._uuid = hashlib.sha256(
             json.dumps(
                 {
@@ -63,6 +64,7 @@ class HelionPassManager(CustomGraphPass):
                     # The fused op reads user-tuned configs from here; their contents decide placement.
                     "config_dir": options.config_dir,
                     "placement": dispatch.placement_digest(options.config_dir),
+                    "tf32": self.tf32,
                 },
                 sort_keys=True,
                 default=str,
@@ -81,7 +83,7 @@ class HelionPassManager(CustomGraphPass):
         report = GraphReport(graph=f"graph_{next(_graph_ids):03d}", kind=self.graph_kind)
         dump_dirs = self._dump_dirs(report)
         before = _readable(graph) if dump_dirs else ""
-        ctx = PassContext(graph=graph, options=self.options, rules=self.rules, report=report)
+        ctx = PassContext(graph=graph, options=self.options, rules=self.rules, report=report, tf32=self.tf32)
         try:
             for stage in ANALYSIS:
                 stage.run(ctx)

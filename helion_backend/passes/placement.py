@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import torch
+
 from .. import dispatch
 from ..norm import FUSED_DTYPES
 from ..vocabulary import dtype_name
 from .context import GemmSite, PassContext
+
+# The smallest K worth a GEMM kernel: one tensor-core dot step. Below it a "GEMM" is a few multiply-adds per
+# output (a rotary embedding's ``inv_freq @ position_ids`` has K = 1), which Inductor computes as pointwise
+# work fused with its neighbours; Helion 1.4 also mis-tiles a K of one (see ``kernels.gemm.check_gemm_shapes``).
+MIN_KERNEL_K = 16
 
 
 def run(ctx: PassContext) -> None:
@@ -18,6 +25,17 @@ def run(ctx: PassContext) -> None:
                 site.drop_prologue()
                 site.notes.append(f"RMSNorm not fused: {problem}")
         site.runs_on, site.reason, site.helion_limit = place(site, ctx, site.rule.kernel, site.n)
+
+
+def _not_worth_a_kernel(site: GemmSite, ctx: PassContext) -> str | None:
+    """Why the site stays with Inductor whatever its M, if it does: a K too short for a GEMM, or float32 rows
+    that PyTorch multiplies in TF32 (the kernels dot float32 at full precision, and a site must compute what
+    PyTorch computes)."""
+    if isinstance(site.k, int) and site.k < MIN_KERNEL_K:
+        return f"K={site.k} < {MIN_KERNEL_K}: a few multiply-adds per output, left to Inductor's pointwise code"
+    if site.dtype == torch.float32 and ctx.tf32 and site.device.type == "cuda":
+        return "float32 with TF32 allowed (torch.backends.cuda.matmul.allow_tf32): Inductor's TF32 GEMM, as PyTorch"
+    return None
 
 
 def _norm_unfusable(site: GemmSite, max_m: int) -> str | None:
@@ -35,7 +53,11 @@ def place(site: GemmSite, ctx: PassContext, kernel: str, n: int) -> tuple[str, s
     """``(runs_on, why, helion_limit)`` of ``site`` run by the ``kernel`` family at width ``n``: Helion on
     CUDA for M up to the limit (the measured crossover of that family and shape, else
     ``max_helion_size``), the reference where asked, else Inductor. A static M up to ``max_helion_size``
-    follows the config table's verdict at that M where it has one (:func:`dispatch.measured_verdict`)."""
+    follows the config table's verdict at that M where it has one (:func:`dispatch.measured_verdict`). A site
+    that no kernel should run (:func:`_not_worth_a_kernel`) stays with Inductor whatever its M."""
+    not_worth = _not_worth_a_kernel(site, ctx)
+    if not_worth:
+        return "inductor", not_worth, 0
     limit, lowered_by = dispatch.helion_size_limit(
         site.k, n, site.dtype, site.device, ctx.options.max_helion_size, ctx.options.config_dir, kernel,
     )
