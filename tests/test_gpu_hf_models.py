@@ -1,13 +1,8 @@
 """Hugging Face decoders on the GPU: built from small configs (random weights, no downloads), compiled with
 the backend, their fused sites running the Helion kernels under CUDA graphs.
 
-The GPU image has no ``transformers``; the tests skip without it. To run them there, carry its wheels and
-their dependencies for the image's Python and install them beside Helion's, e.g.::
-
-    python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \\
-        --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .whl/hf transformers==5.24.0
-    # on the device, after the usual line for .whl/*.whl:
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/hf/*.whl
+They run with the transformers the GPU image has (5.17.0) and skip where it has none; to try another
+version in addition, carry its wheel and install it beside Helion's.
 """
 
 import copy
@@ -16,6 +11,7 @@ import pytest
 import torch
 
 import helion_backend
+from helion_backend.passes.placement import MIN_KERNEL_K
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.gpu
@@ -65,7 +61,10 @@ def test_bf16_decoder_runs_every_projection_in_helion_and_matches_float32(name):
             expected = reference(ids).logits
             eager_error = rel_err(model(ids).logits, expected)
             assert rel_err(compiled(ids).logits, expected) <= max(1.5 * eager_error, 1e-2), eager_error
-    found = [s for r in helion_backend.get_reports() for s in r.sites]
+    every = [s for r in helion_backend.get_reports() for s in r.sites]
+    # Some transformers versions write the rotary angles as a K = 1 product: never a kernel's.
+    found = [s for s in every if s.k >= MIN_KERNEL_K]
+    assert all(s.runs_on == "inductor" for s in every if s.k < MIN_KERNEL_K)
     assert len(found) == EXPECTED_SITES[name], [r.summary() for r in helion_backend.get_reports()]
     assert all(s.runs_on == "helion" and s.m == 14 for s in found), [(s.anchor, s.runs_on, s.why) for s in found]
     if name != "gpt2":
@@ -100,6 +99,9 @@ def test_generate_with_a_static_cache_matches_eager(name, how):
             model.forward = torch.compile(model.forward, backend="helion_inductor", options={"cudagraphs": False})
             got = generate(model, ids, disable_compile=True)
     assert torch.equal(got, expected)
-    decode_graphs = [r for r in helion_backend.get_reports() if {s.m for s in r.sites} == {2}]
+    def gemms(report):
+        return [s for s in report.sites if s.k >= MIN_KERNEL_K]
+
+    decode_graphs = [r for r in helion_backend.get_reports() if {s.m for s in gemms(r)} == {2}]
     assert decode_graphs, [r.summary() for r in helion_backend.get_reports()]
-    assert all(s.runs_on == "helion" for s in decode_graphs[-1].sites), decode_graphs[-1].summary()
+    assert all(s.runs_on == "helion" for s in gemms(decode_graphs[-1])), decode_graphs[-1].summary()
