@@ -11,7 +11,11 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,10 +24,11 @@ import torch.nn.functional as F
 from helpers import CPU_REWRITE, TOLERANCE, rel_err
 
 import helion_backend
-from helion_backend import dispatch, verify
+from helion_backend import bisect_sites, dispatch, verify
 from helion_backend.options import VERIFY_ENV, BackendOptions
 from helion_backend.report import site_id
 
+ROOT = Path(__file__).resolve().parents[1]
 WRONG_BY = 1.01  # a wrong kernel: 1% off everywhere (the reference's rel. error would be 1e-2)
 VERIFY = {**CPU_REWRITE, "verify": True}
 
@@ -238,3 +243,83 @@ def test_relative_error_counts_mismatched_non_finite_values_as_divergence():
     overflowed = ref.clone()
     overflowed[2, 2] = math.inf
     assert verify.relative_error(overflowed, ref) == math.inf
+
+
+# The bisect command, run as users run it: a subprocess on a plain script. A ``sitecustomize`` on its
+# PYTHONPATH (a test hook outside the package) makes Helion "available" on the CPU and the N=32 site's
+# kernel wrong, as FakeKernels does here.
+WRONG_KERNEL_SITECUSTOMIZE = '''
+from helion_backend import dispatch
+
+def wrong_kernel(kernel, x, w_kn, steps, operands, scalars, out_dtype, config_dir=None, program=None,
+                 up_kn=None, *, weight_scale=None, norm=None, up_steps=()):
+    out = dispatch.unfused(x, w_kn, steps, operands, scalars, out_dtype, program, up_kn, weight_scale, norm,
+                           up_steps)
+    return out * 1.01 if out.shape[1] == 32 else out
+
+dispatch._helion_runs_on = lambda x: True
+dispatch._helion_gemm = wrong_kernel
+'''
+
+USER_SCRIPT = '''
+import sys
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 48), nn.Linear(48, 32)
+
+    def forward(self, x):
+        return F.relu(self.down(F.relu(self.up(x))))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+
+    def forward(self, x):
+        return self.block(x)
+
+
+if __name__ == "__main__":
+    model = Model()
+    compiled = torch.compile(model, backend="helion_inductor", options={"rewrite_on_cpu": True})
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(4, 64)
+            torch.testing.assert_close(compiled(x), model(x))  # the diverging site ran its reference
+    print("script ran with", sys.argv[1:])
+'''
+
+
+def test_bisect_names_the_first_diverging_site_of_a_script(tmp_path):
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(WRONG_KERNEL_SITECUSTOMIZE)
+    script = tmp_path / "run_model.py"
+    script.write_text(USER_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hooks), str(ROOT)]),
+           "HELION_INDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop(VERIFY_ENV, None)  # bisect turns it on
+    result = subprocess.run([sys.executable, "-m", "helion_backend", "bisect", str(script), "--steps", "2"],
+                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert result.returncode == 1, result.stdout + result.stderr[-3000:]  # a site diverged
+    out = result.stdout
+    assert "script ran with ['--steps', '2']" in out, out
+    assert "the first fused site whose output diverges from its reference is graph_000:addmm_1" in out, out
+    assert "anchor addmm_1 (aten.addmm.default), module block.down" in out, out
+    assert "rule gemm_activation, kernel gemm: addmm -> bias -> relu" in out, out
+    assert "m=4 k=48 n=32 float32; at M=4: rel. error 1.00e-02 > tolerance 1.0e-05" in out, out
+    assert "other site(s) diverged" not in out and "(2 check(s) of 2 site(s) in all)" in out, out
+
+
+def test_bisect_says_when_no_site_diverged_or_none_was_checked():
+    ok = verify.Check(site="graph_000:addmm", m=4, error=1e-7, tolerance=1e-5)
+    assert bisect_sites.summary([ok]) == ("helion_inductor bisect: no fused site diverged from its reference "
+                                          "(1 check(s) of 1 site(s))")
+    assert "no fused site ran a Helion kernel, so none was checked" in bisect_sites.summary([])
