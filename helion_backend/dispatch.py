@@ -238,7 +238,8 @@ def _helion_runs_on(x: torch.Tensor) -> bool:
     return x.is_cuda and helion_unavailable_reason() is None
 
 
-# The Helion kernels the fused ops launch, imported at their first call (Helion's import takes seconds).
+# The Helion kernels the fused ops launch, imported at their first call (Helion's import takes seconds); the
+# CPU tests of the option verify replace them to make a site's fast path wrong.
 
 def _helion_gemm(*args, **kwargs) -> torch.Tensor:
     from .kernels import run_kernel
