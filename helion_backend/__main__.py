@@ -1,4 +1,4 @@
-"""Command line: ``python -m helion_backend check-rules PATH...`` and ``... tune MANIFEST``."""
+"""Command line: ``python -m helion_backend check-rules PATH...``, ``... tune MANIFEST`` and ``... bisect SCRIPT``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from . import tuning
+from . import bisect_sites, tuning
 from .rules import RuleError, builtin_rule_files, load_rules
 
 
@@ -39,6 +39,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                           formatter_class=argparse.RawDescriptionHelpFormatter)
     tuning.add_arguments(tune)
     tune.set_defaults(func=tuning.run_command)
+    bisect = sub.add_parser("bisect", help="run a script with the self-check on and name the first fused site "
+                            "whose output diverges from its reference", description=bisect_sites.DESCRIPTION,
+                            epilog=bisect_sites.EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bisect_sites.add_arguments(bisect)
+    bisect.set_defaults(func=bisect_sites.run_command)
     args = parser.parse_args(argv)
     return args.func(args)
 

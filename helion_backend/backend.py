@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-from . import BACKEND_NAME, code_cache, dispatch
+from . import BACKEND_NAME, code_cache, dispatch, verify
 from . import report as reports
 from .manifest import ManifestSite
 from .options import BackendOptions
@@ -54,8 +54,20 @@ def helion_inductor(
         with torch._functorch.config.patch(enable_autograd_cache=False):
             compiled = _compile(gm, example_inputs, manager, {**patches, "fx_graph_cache": False})
         state = _saved_state(manager, gm, example_inputs, opts)
+    if opts.verify and state is not None:
+        verify.watch(_op_sites(state))
     routed = _route_tokens(compiled, pristine, state, example_inputs, patches)
     return _with_autotuning(routed, state, opts, example_inputs)
+
+
+def _op_sites(state: dict[str, Any]) -> list[str]:
+    """The ``site`` names of the fused ops in the graphs of ``state`` (a compile's, or one served from the
+    caches): every site not left to Inductor, and every attention node sent to the decode kernel."""
+    names = []
+    for report, _ in state["graphs"]:
+        names += [reports.site_id(report.graph, s.anchor) for s in report.sites if s.runs_on != "inductor"]
+        names += [reports.site_id(report.graph, a.node) for a in report.attention if a.runs_on != "inductor"]
+    return names
 
 
 def _route_tokens(compiled: Callable[..., Any], pristine: torch.fx.GraphModule | None, state: dict[str, Any] | None,
@@ -172,6 +184,8 @@ def _inductor_config(mode: str | None, opts: BackendOptions, example_inputs: Seq
         cudagraphs = on_cuda and mode != "max-autotune-no-cudagraphs"
     patches["triton.cudagraphs"] = bool(cudagraphs)
     patches.update(opts.inductor_config)
+    if opts.verify:  # the self-check runs in the first, uncaptured run: cudagraph trees' warm-up
+        patches["triton.skip_cudagraph_warmup"] = False
     return patches
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
 import torch
 
-from . import report
+from . import report, verify
 from .epilogue import (
     apply_epilogue,
     operand_kinds,
@@ -33,6 +33,7 @@ from .vocabulary import (
     QUANT_DTYPES,
     RMSNORM,
     Operand,
+    dtype_name,
 )
 
 if TYPE_CHECKING:  # the kernels import Helion, which this module leaves to the first Helion call
@@ -41,7 +42,8 @@ if TYPE_CHECKING:  # the kernels import Helion, which this module leaves to the 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# (site, M) -> why its Helion kernel failed; those calls run the reference from then on.
+# (site, M) -> why its Helion kernel failed, or why its output is not trusted (option verify); those calls
+# run the reference from then on.
 _FAILED: dict[tuple[str, int], str] = {}
 
 
@@ -131,15 +133,21 @@ def run_gemm_epilogue(
     # The epilogue's operands, then the up projection's own (its scales on quantized rows).
     (ops, scs), (up_ops, up_scs) = split_per_output((steps, up_steps), operands, scalars)
     flat = [*flatten_operands(ops, steps, n), *flatten_operands(up_ops, up_steps, n)]
-    if _runs_helion(x, max_helion_m, site):
-        from .kernels import run_kernel
 
-        fused = _try_helion(site, x.shape[0], lambda: run_kernel(
+    def reference() -> torch.Tensor:
+        return unfused(x, w_kn, steps, flat, scalars, out_dtype, program, up_kn, weight_scale, norm, up_steps)
+
+    if _runs_helion(x, max_helion_m, site):
+        fused = _try_helion(site, x.shape[0], lambda: _helion_gemm(
             kernel, x, w_kn, steps, flat, scalars, out_dtype, config_dir or None, program, up_kn,
             weight_scale=weight_scale, norm=norm, up_steps=up_steps))
         if fused is not None:
+            if verify.watching():
+                dtypes = [x.dtype, w_kn.dtype, out_dtype, *([up_kn.dtype] if up_kn is not None else [])]
+                fused = _verified(site, x.shape[0], fused, reference, dtypes, _launch_text(kernel, x, [n]),
+                                  max_helion_m)
             return fused
-    return unfused(x, w_kn, steps, flat, scalars, out_dtype, program, up_kn, weight_scale, norm, up_steps)
+    return reference()
 
 
 def run_multi_gemm_epilogue(
@@ -168,15 +176,21 @@ def run_multi_gemm_epilogue(
     per_output = [(flatten_operands(ops, s, w.shape[1]), scs)
                   for w, s, (ops, scs) in zip(w_kns, steps, split_per_output(steps, operands, scalars))]
     flat = [op for ops, _ in per_output for op in ops]
-    if _runs_helion(x, max_helion_m, site):
-        from .kernels import multi_gemm_helion
 
-        fused = _try_helion(site, x.shape[0], lambda: multi_gemm_helion(
+    def reference() -> list[torch.Tensor]:
+        return unfused_multi(x, w_kns, steps, flat, scalars, out_dtype, norm)
+
+    if _runs_helion(x, max_helion_m, site):
+        fused = _try_helion(site, x.shape[0], lambda: _helion_multi_gemm(
             x, w_kns, steps, flat, scalars, out_dtype, config_dir=config_dir or None, norm=norm,
             kernel_family=kernel))
         if fused is not None:
+            if verify.watching():
+                dtypes = [x.dtype, *(w.dtype for w in w_kns), out_dtype]
+                launch = _launch_text(kernel, x, [w.shape[1] for w in w_kns])
+                fused = _verified(site, x.shape[0], fused, reference, dtypes, launch, max_helion_m)
             return fused
-    return unfused_multi(x, w_kns, steps, flat, scalars, out_dtype, norm)
+    return reference()
 
 
 def run_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
@@ -185,24 +199,93 @@ def run_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     PyTorch's ``scaled_dot_product_attention``; into a fresh tensor of strides ``out_stride``."""
     out = q.new_empty_strided(q.shape, out_stride)
     rows = q.shape[2]
-    if q.is_cuda and helion_unavailable_reason() is None and (site, rows) not in _FAILED:
-        from .kernels.attention import decode_attention_helion
 
+    def reference() -> torch.Tensor:
+        return _attention_reference(q, k, v, mask, scale, masked_bias)
+
+    if _helion_runs_on(q) and (site, rows) not in _FAILED:
         def launch() -> torch.Tensor:
-            return decode_attention_helion(q, k, v, mask, scale, out=out, masked_bias=masked_bias)
+            return _helion_decode_attention(q, k, v, mask, scale, out=out, masked_bias=masked_bias)
 
-        if _try_helion(site, rows, launch) is not None:
+        fused = _try_helion(site, rows, launch)
+        if fused is not None:
+            if verify.watching():
+                shape = f"rows={rows} L={k.shape[2]} D={q.shape[3]} {dtype_name(q.dtype)}"
+                trusted = _verified(site, rows, out, reference, [q.dtype], f"decode attention kernel ({shape})")
+                if trusted is not out:
+                    out.copy_(trusted)
             return out
+    return out.copy_(reference())
+
+
+def _attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                         scale: float, masked_bias: float) -> torch.Tensor:
+    """What the ``decode_attention`` op computes without Helion: PyTorch's attention, the graph's mask."""
     if mask is not None and mask.dtype == torch.bool and masked_bias != -math.inf:
         mask = torch.where(mask, 0.0, masked_bias).to(q.dtype)  # the bias the graph had made of it
-    return out.copy_(torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]))
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def _runs_helion(x: torch.Tensor, max_helion_m: int, site: str) -> bool:
     """Whether this call's rows go to the Helion kernel (else to the reference)."""
     m = x.shape[0]
-    return x.is_cuda and m <= max_helion_m and helion_unavailable_reason() is None and (site, m) not in _FAILED
+    return m <= max_helion_m and _helion_runs_on(x) and (site, m) not in _FAILED
+
+
+def _helion_runs_on(x: torch.Tensor) -> bool:
+    """Whether Helion kernels run on ``x``'s device: CUDA, with Helion installed."""
+    return x.is_cuda and helion_unavailable_reason() is None
+
+
+# The Helion kernels the fused ops launch, imported at their first call (Helion's import takes seconds); the
+# CPU tests of the option verify replace them to make a site's fast path wrong.
+
+def _helion_gemm(*args, **kwargs) -> torch.Tensor:
+    from .kernels import run_kernel
+
+    return run_kernel(*args, **kwargs)
+
+
+def _helion_multi_gemm(*args, **kwargs) -> list[torch.Tensor]:
+    from .kernels import multi_gemm_helion
+
+    return multi_gemm_helion(*args, **kwargs)
+
+
+def _helion_decode_attention(*args, **kwargs) -> torch.Tensor:
+    from .kernels.attention import decode_attention_helion
+
+    return decode_attention_helion(*args, **kwargs)
+
+
+def _verified(site: str, m: int, fused: T, reference: Callable[[], T], dtypes: Sequence[torch.dtype], launch: str,
+              up_to_m: int | None = None) -> T:
+    """``fused``, or ``reference()``'s result where the option ``verify`` checks this first Helion run of the
+    site at ``m`` rows and finds it diverging; the site then runs its reference from now on, at every M up to
+    ``up_to_m`` (None: at this M alone). Not checked: a (site, M) checked before, and a run being captured
+    into a CUDA graph (its replays run no Python: the next uncaptured run checks). ``launch`` names the
+    kernel and shape."""
+    if not verify.pending(site, m) or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return fused
+    expected = reference()
+    check = verify.compare(site, m, _outputs(fused), _outputs(expected), dtypes)
+    report.record_verified(site, check.describe())
+    if check.ok:
+        return fused
+    _fall_back(site, m, f"output of the {launch} diverged from the reference: rel. error {check.error:.2e} > "
+                        f"tolerance {check.tolerance:.1e} (option verify)", up_to_m)
+    return expected
+
+
+def _outputs(value: torch.Tensor | Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    return [value] if isinstance(value, torch.Tensor) else value
+
+
+def _launch_text(kernel: str, x: torch.Tensor, widths: Sequence[int]) -> str:
+    """The kernel family and shape of a GEMM launch, for the self-check's warning."""
+    n = "+".join(map(str, widths))
+    return f"{kernel} kernel (M={x.shape[0]} K={x.shape[1]} N={n} {dtype_name(x.dtype)})"
 
 
 def _try_helion(site: str, m: int, launch: Callable[[], T]) -> T | None:
@@ -216,7 +299,7 @@ def _try_helion(site: str, m: int, launch: Callable[[], T]) -> T | None:
         # traceback (Helion's, or a test's log capture) would keep them alive: under CUDA graph trees
         # that output sits in the graph's memory pool, untracked. Drop their locals.
         _clear_frames(e)
-    _fall_back(site, m, failure)
+    _fall_back(site, m, f"Helion kernel failed ({failure})")
     return None
 
 
@@ -261,12 +344,15 @@ def _describe_failure(error: Exception) -> str:
     return f"{type(error).__name__}: {message.splitlines()[0] if message else 'no message'}"[:300]
 
 
-def _fall_back(site: str, m: int, reason: str) -> None:
-    """Remember that ``site`` cannot run Helion at this M, warn once, and note it in the site's report."""
-    _FAILED[(site, m)] = reason
-    log.warning("helion_inductor: site %s (M=%d) runs its reference (cuBLAS + an unfused epilogue, or PyTorch's "
-                "attention) from now on: Helion kernel failed (%s)", site or "<unnamed>", m, reason)
-    report.record_fallback(site, f"M={m}: Helion kernel failed ({reason}); ran the reference instead")
+def _fall_back(site: str, m: int, reason: str, up_to_m: int | None = None) -> None:
+    """Remember that ``site`` runs its reference at this M (at every M up to ``up_to_m`` if given), warn once,
+    and note it in the site's report."""
+    for rows in range(up_to_m + 1) if up_to_m is not None else (m,):
+        _FAILED[(site, rows)] = reason
+    scope = f"M={m}" if up_to_m is None else f"M={m}, and every M"
+    log.warning("helion_inductor: site %s (%s) runs its reference (cuBLAS + an unfused epilogue, or PyTorch's "
+                "attention) from now on: %s", site or "<unnamed>", scope, reason)
+    report.record_fallback(site, f"{scope}: {reason}; ran the reference instead")
     gc.collect()  # whatever the failure left in reference cycles goes now, not at some later collection
 
 

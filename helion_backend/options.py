@@ -11,6 +11,7 @@ from typing import Any, Mapping
 DEBUG_DIR_ENV = "HELION_INDUCTOR_DEBUG_DIR"
 CACHE_DIR_ENV = "HELION_INDUCTOR_CACHE_DIR"
 CODE_CACHE_ENV = "HELION_INDUCTOR_CODE_CACHE"
+VERIFY_ENV = "HELION_INDUCTOR_VERIFY"
 
 # Autotuning defaults, shared by ``python -m helion_backend tune`` and the option ``autotune_missing``.
 # ``sweep`` times the family's fixed candidate configs at the key (:mod:`helion_backend.tuning_candidates`),
@@ -29,6 +30,11 @@ def default_tune_jobs() -> int:
     """``tune --jobs`` by default: half this process's CPUs, between 1 and :data:`MAX_DEFAULT_TUNE_JOBS`."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(MAX_DEFAULT_TUNE_JOBS, cpus // 2))
+
+
+def env_flag(name: str) -> bool:
+    """Whether the environment variable ``name`` is set to a true value (1, true, yes, on)."""
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _default_cache_dir() -> str:
@@ -78,6 +84,12 @@ class BackendOptions:
     tracing it again (0.3-0.5 s a kernel signature); $HELION_INDUCTOR_CODE_CACHE=0 turns it off. Kernels compile
     when they first run, so this and ``cache_dir`` apply process-wide: each compile sets them for the kernels
     launched after it (:mod:`helion_backend.code_cache`)."""
+    verify: bool = field(default_factory=lambda: env_flag(VERIFY_ENV))
+    """Self-check: the first run of each fused site at each M also runs the site's unfused reference on the same
+    inputs and compares (relative error at a tolerance of the site's dtypes, :mod:`helion_backend.verify`); a
+    site that diverges warns once, notes it in the report and runs its reference from then on. The check runs
+    outside CUDA-graph capture (cudagraph trees' warm-up run). Also set by $HELION_INDUCTOR_VERIFY=1; off by
+    default, as each first run costs a second computation."""
     inductor_config: Mapping[str, Any] = field(default_factory=dict)
     """Extra ``torch._inductor.config`` patches, applied after the ``mode``'s."""
     autotune_missing: bool = False
@@ -118,6 +130,7 @@ class BackendOptions:
             "fuse_activation_quant": bool,
             "merge_siblings": bool,
             "rewrite_on_cpu": bool,
+            "verify": bool,
             "max_helion_size": int,
             "rmsnorm_prologue_max_m": int,
             "decode_attention_max_rows": int,
@@ -157,11 +170,12 @@ class BackendOptions:
         return str(Path(self.cache_dir) / "kernels") if self.code_cache else None
 
     def fingerprint(self) -> dict[str, Any]:
-        """What of the options changes the rewrite (the folders, the code cache and compile-time autotuning do
-        not: a graph served from the caches is tuned from the sites saved with it)."""
+        """What of the options changes the rewrite (the folders, the code cache, compile-time autotuning and the
+        run-time self-check do not: a graph served from the caches is tuned and checked from the sites saved
+        with it)."""
         values = dataclasses.asdict(self)
         for name in ("debug_dir", "cache_dir", "code_cache", "autotune_missing", "autotune_effort",
-                     "autotune_budget_s"):
+                     "autotune_budget_s", "verify"):
             values.pop(name)
         values["inductor_config"] = sorted((k, repr(v)) for k, v in self.inductor_config.items())
         return values

@@ -29,6 +29,9 @@ class SiteReport:
     notes: list[str] = field(default_factory=list)
     # Run-time events: a Helion kernel that failed to compile or launch, and what ran instead.
     fallbacks: list[str] = field(default_factory=list)
+    # The option verify's checks of the site's Helion output against its reference, one per M.
+    verified: list[str] = field(default_factory=list)
+    module: str = ""  # the module path of the anchor in the user's model ("layers.0.mlp.down_proj"), if known
 
 
 @dataclass
@@ -48,6 +51,8 @@ class AttentionReport:
     runs_on: str  # "helion" | "reference" | "inductor"
     why: str | None
     fallbacks: list[str] = field(default_factory=list)
+    verified: list[str] = field(default_factory=list)
+    module: str = ""
 
     def summary(self) -> str:
         where = self.runs_on + (f" ({self.why})" if self.why else "")
@@ -102,11 +107,13 @@ class GraphReport:
             lines.append(f"  [{s.rule}] {s.anchor}: {chain}  m={s.m} k={s.k} n={s.n} {s.dtype} -> {where}")
             lines.extend(f"      note: {note}" for note in s.notes)
             lines.extend(f"      fallback: {event}" for event in s.fallbacks)
+            lines.extend(f"      verified: {event}" for event in s.verified)
         for u in self.unfused_gemms:
             lines.append(f"  unfused {u.node} ({u.op}): {u.reason}")
         for a in self.attention:
             lines.append(a.summary())
             lines.extend(f"      fallback: {event}" for event in a.fallbacks)
+            lines.extend(f"      verified: {event}" for event in a.verified)
         lines.extend(f"  autotuned at compile time: {key}" for key in self.autotuned)
         return "\n".join(lines)
 
@@ -127,16 +134,34 @@ def site_id(graph: str, anchor: str) -> str:
 
 def record_fallback(site: str, event: str) -> None:
     """Note a run-time fallback in the report of ``site`` (a :func:`site_id`), if it is still held."""
-    graph, _, anchor = site.partition(":")
+    _record_event(site, "fallbacks", event)
+
+
+def record_verified(site: str, event: str) -> None:
+    """Note the outcome of a self-check (option ``verify``) in the report of ``site``, if it is still held."""
+    _record_event(site, "verified", event)
+
+
+def find_site(site: str) -> SiteReport | AttentionReport | None:
+    """The report entry of ``site`` (a :func:`site_id`), the latest where several graphs share the name."""
     with _lock:
-        for report in _reports:
-            if report.graph == graph:
-                for s in report.sites:
-                    if s.anchor == anchor and event not in s.fallbacks:
-                        s.fallbacks.append(event)
-                for a in report.attention:
-                    if a.node == anchor and event not in a.fallbacks:
-                        a.fallbacks.append(event)
+        found = _entries(site)
+    return found[-1] if found else None
+
+
+def _record_event(site: str, events: str, event: str) -> None:
+    """Append ``event`` to the ``events`` list of every report entry of ``site``, once."""
+    with _lock:
+        for entry in _entries(site):
+            if event not in getattr(entry, events):
+                getattr(entry, events).append(event)
+
+
+def _entries(site: str) -> list[SiteReport | AttentionReport]:
+    """The report entries that ``site`` names (the caller holds the lock)."""
+    graph, _, anchor = site.partition(":")
+    return [entry for report in _reports if report.graph == graph for entry in [*report.sites, *report.attention]
+            if (entry.anchor if isinstance(entry, SiteReport) else entry.node) == anchor]
 
 
 def get_reports() -> list[GraphReport]:

@@ -14,6 +14,7 @@ import itertools
 import json
 import logging
 import math
+import re
 from pathlib import Path
 
 import sympy
@@ -183,6 +184,7 @@ def _site_report(site: GemmSite) -> SiteReport:
         n=site.n,
         dtype=dtype_name(site.dtype),
         notes=list(site.notes),
+        module=module_path(site.anchor),
     )
 
 
@@ -194,7 +196,19 @@ def _attention_report(site: AttentionSite) -> AttentionReport:
     return AttentionReport(node=site.node.name, op=str(site.node.target), batch=batch, heads=heads,
                            kv_heads=kv_heads, rows=rows, kv_len=kv_len, head_dim=head_dim,
                            dtype=dtype_name(site.dtype), mask=_mask_description(site), runs_on=site.runs_on,
-                           why=site.reason)
+                           why=site.reason, module=module_path(site.node))
+
+
+def module_path(node: fx.Node) -> str:
+    """The path of the innermost module that ran ``node`` ("layers.0.self_attn.q_proj"), from Dynamo's
+    ``nn_module_stack`` without its root ("L['self']"); "" where the graph does not say."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    innermost = list(stack.values())[-1]
+    path = str(innermost[0] if isinstance(innermost, tuple) else innermost)
+    path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path)
+    return re.sub(r"^[A-Z]\['[^']*'\]\.?", "", path)
 
 
 def _mask_description(site: AttentionSite) -> str:
