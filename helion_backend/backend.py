@@ -228,8 +228,9 @@ def _load_state(path: Path) -> dict[str, Any] | None:
         state["graphs"] = list(zip(served, [[ManifestSite.from_json(s) for s in sites] for sites in saved_sites]))
         # Saved without dumps (none were asked for, or before they were kept): None for each graph.
         state["dumps"] = [_dump_pair(d) for d in state.get("dumps") or [None for _ in served]]
-        if not len(served) == len(saved_sites) == len(state["dumps"]):
-            raise ValueError(f"{len(served)} reports, {len(saved_sites)} site lists, {len(state['dumps'])} dumps")
+        counts = (len(served), len(saved_sites), len(state["dumps"]))
+        if len(set(counts)) != 1:
+            raise ValueError("{} reports, {} site lists, {} dumps".format(*counts))
     except OSError:
         return None
     except (ValueError, KeyError, TypeError) as e:
