@@ -48,9 +48,9 @@ def helion_inductor(
     compiled = _compile(gm, example_inputs, manager, patches)
     state = _saved_state(manager, gm, example_inputs, opts)
     if state is None:
-        # Inductor's cache knew this graph but the backend's did not (deleted, say): compile it once
-        # more with the caches off, so the pipeline runs and its report and routing are not lost.
-        log.info("helion_inductor: recompiling a graph served from Inductor's cache without its report")
+        # Inductor's cache knew this graph but the backend's record of it is gone (deleted, say) or lacks
+        # the dumps debug_dir asks for: compile it once more with the caches off, so the pipeline runs and
+        # its report, dumps and routing are not lost.
         with torch._functorch.config.patch(enable_autograd_cache=False):
             compiled = _compile(gm, example_inputs, manager, {**patches, "fx_graph_cache": False})
         state = _saved_state(manager, gm, example_inputs, opts)
@@ -195,20 +195,44 @@ def _saved_state(manager: HelionPassManager, gm: torch.fx.GraphModule,
 
     A hit in Inductor's FX graph cache or AOTAutograd's cache skips the post-grad passes, so the
     pipeline never sees the graph; what it saved when it did (the reports, the symbolic M of the
-    rewritten sites, as strings, and each graph's Helion sites, for ``autotune_missing``) is served
-    instead. ``graphs`` pairs each report with its sites. None when there is nothing to serve.
+    rewritten sites, as strings, each graph's Helion sites, for ``autotune_missing``, and its
+    before/after dumps where it wrote them) is served instead. ``graphs`` pairs each report with its
+    sites. None when there is nothing to serve, or when ``debug_dir`` asks for dumps that were not saved.
     """
     path = Path(opts.cache_dir) / "reports" / f"{_graph_key(manager, gm, example_inputs)}.json"
     if manager.reports:
-        state = {"reports": [r.to_json() for r in manager.reports],
-                 "dynamic_sites": [[str(expr), limit] for expr, limit in manager.dynamic_sites],
-                 "helion_sites": [[site.to_json() for site in sites] for sites in manager.helion_sites]}
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(state))
-        except OSError as e:
-            log.warning("helion_inductor: cannot save the report to %s: %s", path, e)
-        return {**state, "graphs": list(zip(manager.reports, manager.helion_sites))}
+        return _save_state(manager, path)
+    state = _load_state(path)
+    if state is None:
+        log.info("helion_inductor: recompiling a graph served from Inductor's cache without its report")
+        return None
+    if opts.debug_dir and None in state["dumps"]:
+        log.info("helion_inductor: recompiling a graph served from Inductor's cache: its report was saved "
+                 "without the dumps debug_dir asks for")
+        return None
+    for (report, _), dump in zip(state["graphs"], state["dumps"]):
+        report.from_cache = True
+        reports.record(report)
+        if opts.debug_dir:
+            _replay_dump(Path(opts.debug_dir) / report.graph, report, dump)
+    return state
+
+
+def _save_state(manager: HelionPassManager, path: Path) -> dict[str, Any]:
+    state = {"reports": [r.to_json() for r in manager.reports],
+             "dynamic_sites": [[str(expr), limit] for expr, limit in manager.dynamic_sites],
+             "helion_sites": [[site.to_json() for site in sites] for sites in manager.helion_sites],
+             "dumps": manager.dumps}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(state))
+    except OSError as e:
+        log.warning("helion_inductor: cannot save the report to %s: %s", path, e)
+    return {**state, "graphs": list(zip(manager.reports, manager.helion_sites))}
+
+
+def _load_state(path: Path) -> dict[str, Any] | None:
+    """The state :func:`_save_state` wrote, with its reports and sites parsed; None if absent or corrupt."""
     try:
         state = json.loads(path.read_text())
         served = [reports.GraphReport.from_json(entry) for entry in state["reports"]]
@@ -216,15 +240,34 @@ def _saved_state(manager: HelionPassManager, gm: torch.fx.GraphModule,
         # Saved before compile-time autotuning existed: no sites, nothing to tune.
         saved_sites = state.get("helion_sites") or [[] for _ in served]
         state["graphs"] = list(zip(served, [[ManifestSite.from_json(s) for s in sites] for sites in saved_sites]))
+        # Saved without dumps (none were asked for, or before they were kept): None for each graph.
+        state["dumps"] = [_dump_pair(d) for d in state.get("dumps") or [None for _ in served]]
+        counts = (len(served), len(saved_sites), len(state["dumps"]))
+        if len(set(counts)) != 1:
+            raise ValueError("{} reports, {} site lists, {} dumps".format(*counts))
     except OSError:
         return None
     except (ValueError, KeyError, TypeError) as e:
         log.warning("helion_inductor: ignoring the corrupt saved report %s (%s)", path, e)
         return None
-    for report in served:
-        report.from_cache = True
-        reports.record(report)
     return state
+
+
+def _dump_pair(saved: Any) -> tuple[str, str] | None:
+    if saved is None:
+        return None
+    before, after = saved
+    if not (isinstance(before, str) and isinstance(after, str)):
+        raise TypeError("a saved dump is not two strings")
+    return before, after
+
+
+def _replay_dump(directory: Path, report: reports.GraphReport, dump: tuple[str, str]) -> None:
+    """The dumps of a graph served from the cache, as the compile that rewrote it wrote them."""
+    try:
+        reports.write_dump(directory, report, *dump)
+    except OSError as e:
+        log.warning("helion_inductor: cannot write the dumps to %s: %s", directory, e)
 
 
 def _graph_key(manager: HelionPassManager, gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> str:

@@ -41,7 +41,9 @@ from .vocabulary import (
     Anchor,
 )
 
-BUILTIN_RULES_DIR = Path(__file__).resolve().parent.parent / "rules"
+# Package data (a link to the checkout's top-level ``rules/`` folder, copied into wheels and sdists), found
+# through the package so an installed wheel has it; resolved so a checkout's messages name ``rules/``.
+BUILTIN_RULES_DIR = (Path(__file__).parent / "builtin_rules").resolve()
 
 _KEYS = {
     "name": "rule name, unique across all loaded files",
@@ -131,8 +133,8 @@ class Rule:
 def builtin_rule_files() -> list[Path]:
     if not BUILTIN_RULES_DIR.is_dir():
         raise RuleError(
-            f"{BUILTIN_RULES_DIR}: the shipped rules folder is missing; install the project with "
-            "`pip install -e .` from its checkout, or pass options={'builtin_rules': False}"
+            f"{BUILTIN_RULES_DIR}: the shipped rules folder is missing from the installed package; "
+            "reinstall helion-inductor, or pass options={'builtin_rules': False}"
         )
     return sorted(BUILTIN_RULES_DIR.glob("*.toml"))
 

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import compile_run, randn, sites
+from helpers import compile_run, randn, rel_err, sites
 
 import helion_backend
 from helion_backend.options import BackendOptions
 from helion_backend.passes.manager import HelionPassManager, package_digest, source_digest
+from helion_backend.report import GraphReport
 
 
 def run_python(code: str, env: dict | None = None, cwd: str | None = None) -> subprocess.CompletedProcess:
@@ -169,6 +170,66 @@ def test_fx_graph_cache_second_process_is_correct_and_rule_change_misses(tmp_pat
     third = run(str(rule))
     assert third["hits"] == 0 and third["err"] < 1e-5
     assert [s["rule"] for s in third["reports"][0]["sites"]] == ["mine"]
+
+
+def test_a_graph_served_from_the_fx_graph_cache_is_dumped_to_debug_dir_too(tmp_path):
+    """A cache hit skips the passes, so its dumps are replayed from the compile that rewrote the graph;
+    a hit saved without dumps (debug_dir was off then) compiles once more, so debug_dir still gets them."""
+    from torch._dynamo.utils import counters
+
+    x, w, b = randn(4, 32), randn(48, 32), randn(48)
+    fn = lambda x, w, b: F.gelu(F.linear(x, w, b), approximate="tanh")  # noqa: E731
+    options = {"rewrite_on_cpu": True, "cache_dir": str(tmp_path / "cache")}
+
+    def compile_anew(debug_dir: Path | None) -> tuple[GraphReport, dict[str, str]]:
+        torch._dynamo.reset()
+        helion_backend.clear_reports()
+        counters.clear()
+        out = torch.compile(fn, backend="helion_inductor",
+                            options={**options, "debug_dir": str(debug_dir) if debug_dir else None})(x, w, b)
+        assert counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"] >= 1
+        assert rel_err(out, fn(x.double(), w.double(), b.double())) < 1e-5
+        (report,) = helion_backend.get_reports()
+        if debug_dir is None:
+            return report, {}
+        (graph_dir,) = [p for p in debug_dir.iterdir() if p.is_dir()]
+        assert graph_dir.name == report.graph
+        return report, {p.name: p.read_text() for p in graph_dir.iterdir()}
+
+    torch.compile(fn, backend="helion_inductor", options=options)(x, w, b)  # fills the caches, no dumps
+    rewritten, first = compile_anew(tmp_path / "dumps_recompiled")
+    served, second = compile_anew(tmp_path / "dumps_served")
+    assert not rewritten.from_cache and served.from_cache
+
+    assert set(first) == set(second) == {"before.py", "after.py", "summary.txt", "report.json"}
+    assert second["before.py"] == first["before.py"] and "aten.addmm" in second["before.py"]
+    assert second["after.py"] == first["after.py"] and "helion_inductor.gemm_epilogue" in second["after.py"]
+    report = json.loads(second["report.json"])
+    assert report["from_cache"] is True and json.loads(first["report.json"])["from_cache"] is False
+    assert [(s["rule"], s["epilogue"]) for s in report["sites"]] == [("gemm_activation", ["bias", "gelu_tanh"])]
+    assert "from FX graph cache" in second["summary.txt"] and "from FX graph cache" not in first["summary.txt"]
+    assert "[gemm_activation]" in second["summary.txt"]
+
+    # Without debug_dir a hit is served as saved: a compile again would report from_cache False.
+    quiet, _ = compile_anew(None)
+    assert quiet.from_cache
+
+
+def test_a_saved_state_with_malformed_dumps_is_ignored_with_a_warning_naming_it(tmp_path, caplog):
+    from helion_backend import backend
+
+    path = tmp_path / "state.json"
+    saved = {"reports": [GraphReport(graph="graph_000").to_json()], "dynamic_sites": [], "helion_sites": [[]]}
+    path.write_text(json.dumps(saved))  # saved before dumps were kept: none to replay
+    assert backend._load_state(path)["dumps"] == [None]
+    path.write_text(json.dumps({**saved, "dumps": [["before", "after"]]}))
+    assert backend._load_state(path)["dumps"] == [("before", "after")]
+    for dumps in ([["before"]], [[1, 2]], [None, None], "before"):
+        path.write_text(json.dumps({**saved, "dumps": dumps}))
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            assert backend._load_state(path) is None, dumps
+        assert f"ignoring the corrupt saved report {path}" in caplog.text
 
 
 def test_debug_dir_dumps(tmp_path):

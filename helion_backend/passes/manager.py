@@ -74,6 +74,8 @@ class HelionPassManager(CustomGraphPass):
         self.graph_kind = "unknown"
         self.reports: list[GraphReport] = []  # of the compile under way
         self.helion_sites: list[list[ManifestSite]] = []  # of each report's graph: what autotune_missing tunes
+        # (before, after) of each report's graph where it was dumped: a cache hit replays them.
+        self.dumps: list[tuple[str, str] | None] = []
         # (M expression, Helion limit) of rewritten sites whose token count is symbolic (for the router).
         self.dynamic_sites: list[tuple[sympy.Expr, int]] = []
 
@@ -104,10 +106,11 @@ class HelionPassManager(CustomGraphPass):
             for site in ctx.sites
             if site.fused is not None and site.static_m is None
         )
+        after = _readable(graph) if dump_dirs else ""
         self.reports.append(report)
         self.helion_sites.append(helion_sites)
+        self.dumps.append((before, after) if dump_dirs else None)
         record(report)
-        after = _readable(graph) if dump_dirs else ""
         for directory in dump_dirs:
             write_dump(directory, report, before, after)
         torch._logging.trace_structured(
