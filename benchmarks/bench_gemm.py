@@ -22,6 +22,12 @@ variants replace only those variants)::
     python benchmarks/bench_gemm.py --merge benchmarks/results/nvidia_h200_quant.json \
         "$OUT/run/nvidia_h200_quant.json" --out-dir "$OUT"
 
+The popular families' shapes (Llama-3.1-8B, Llama-3.2-1B/3B, Mistral-7B, Qwen2.5-7B/14B, Gemma-2-2B),
+tuned and untuned: ``--hold-out`` removes a family's shapes from the config tables for the run (leave one
+family out), so its rows show what a model nobody tuned gets, and the summary compares them with the rest::
+
+    python benchmarks/bench_gemm.py --popular --suite llama3_1_8b,gemma2_2b --hold-out gemma2_2b --out-dir "$OUT"
+
 and on a CPU, to check the script end to end::
 
     python benchmarks/bench_gemm.py --smoke --out-dir /tmp/bench_smoke
@@ -34,11 +40,13 @@ to it; both are rewritten after every case, so a run cut short still leaves its 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import importlib
 import json
 import math
+import os
 import sys
 import tempfile
 import time
@@ -101,10 +109,70 @@ SUITES: dict[str, tuple[LinearShape, ...]] = {
         LinearShape("lm_head_8b", 4096, 151936),
         LinearShape("lm_head_32b", 5120, 151936),
     ),
+    # Popular open models (their published configs: hidden, intermediate, heads x head_dim, kv heads x
+    # head_dim, vocabulary). q and o share a shape where heads x head_dim is the hidden size; kv is k or v.
+    # Llama-3.1-8B: hidden 4096, intermediate 14336, 32 heads and 8 kv heads of 128, vocabulary 128256
+    "llama3_1_8b": (
+        LinearShape("q_o", 4096, 4096),
+        LinearShape("kv", 4096, 1024),
+        LinearShape("gate_up", 4096, 14336),
+        LinearShape("down", 14336, 4096),
+        LinearShape("lm_head", 4096, 128256),
+    ),
+    # Llama-3.2-1B: hidden 2048, intermediate 8192, 32 heads and 8 kv heads of 64, vocabulary 128256
+    "llama3_2_1b": (
+        LinearShape("q_o", 2048, 2048),
+        LinearShape("kv", 2048, 512),
+        LinearShape("gate_up", 2048, 8192),
+        LinearShape("down", 8192, 2048),
+        LinearShape("lm_head", 2048, 128256),
+    ),
+    # Llama-3.2-3B: hidden 3072, intermediate 8192, 24 heads and 8 kv heads of 128, vocabulary 128256
+    "llama3_2_3b": (
+        LinearShape("q_o", 3072, 3072),
+        LinearShape("kv", 3072, 1024),
+        LinearShape("gate_up", 3072, 8192),
+        LinearShape("down", 8192, 3072),
+        LinearShape("lm_head", 3072, 128256),
+    ),
+    # Mistral-7B (v0.3): Llama-3.1-8B's layers, vocabulary 32768
+    "mistral_7b": (
+        LinearShape("q_o", 4096, 4096),
+        LinearShape("kv", 4096, 1024),
+        LinearShape("gate_up", 4096, 14336),
+        LinearShape("down", 14336, 4096),
+        LinearShape("lm_head", 4096, 32768),
+    ),
+    # Qwen2.5-7B: hidden 3584, intermediate 18944, 28 heads and 4 kv heads of 128, vocabulary 152064
+    "qwen2_5_7b": (
+        LinearShape("q_o", 3584, 3584),
+        LinearShape("kv", 3584, 512),
+        LinearShape("gate_up", 3584, 18944),
+        LinearShape("down", 18944, 3584),
+        LinearShape("lm_head", 3584, 152064),
+    ),
+    # Qwen2.5-14B: hidden 5120, intermediate 13824, 40 heads and 8 kv heads of 128, vocabulary 152064
+    "qwen2_5_14b": (
+        LinearShape("q_o", 5120, 5120),
+        LinearShape("kv", 5120, 1024),
+        LinearShape("gate_up", 5120, 13824),
+        LinearShape("down", 13824, 5120),
+        LinearShape("lm_head", 5120, 152064),
+    ),
+    # Gemma-2-2B: hidden 2304, intermediate 9216, 8 heads and 4 kv heads of 256, vocabulary 256000
+    "gemma2_2b": (
+        LinearShape("q", 2304, 2048),
+        LinearShape("kv", 2304, 1024),
+        LinearShape("o", 2048, 2304),
+        LinearShape("gate_up", 2304, 9216),
+        LinearShape("down", 9216, 2304),
+        LinearShape("lm_head", 2304, 256000),
+    ),
     # the CPU smoke run's: K and N multiples of 128, as block fp8 needs, and small enough to compile quickly
     "tiny": (LinearShape("tiny", 256, 256),),
 }
 MODEL_SUITES = ("qwen3_8b", "qwen3_32b")  # the presets' matrix; the lm_head suite is asked for by name
+POPULAR_SUITES = ("llama3_1_8b", "llama3_2_1b", "llama3_2_3b", "mistral_7b", "qwen2_5_7b", "qwen2_5_14b", "gemma2_2b")
 SMOKE_SUITE = "tiny"  # no model's shape: the config sweep leaves it out
 EPILOGUES = ("none", "bias", "bias_gelu_tanh", "silu", "residual")
 BIAS_EPILOGUES = ("bias", "bias_gelu_tanh")
@@ -128,6 +196,9 @@ QUANT_TOLERANCES = {"fp8_dynamic": 0.1, "int8_dynamic": 0.04, "int8_weight_only"
 # this fraction of the HBM floor; above DECODE_MAX_M, no row slower than torch.compile by more than 2%.
 QUANT_SPEEDUP_TARGETS = {"fp8_dynamic": 1.8, "int8_dynamic": 1.6, "fp8_block": 1.5}
 FLOOR_FRACTION_TARGET = 0.75
+# Shapes no table holds (issue 26, --hold-out): against torch.compile at M <= DECODE_MAX_M.
+HELD_OUT_GEOMEAN_TARGET = 1.05
+HELD_OUT_WORST_TARGET = 0.97
 LARGE_M_WORST_TARGET = 0.98
 
 # Rotating weights. A decode GEMM's bytes are almost all weight (>= 8 MB here) and the H200 has a 50 MB
@@ -559,6 +630,23 @@ def summary_lines(rows: Sequence[dict]) -> list[str]:
         f"geomean {describe(floor_fractions(decode), geomean)}",
         f"{HELION} fraction of the HBM floor, {small_m}, weight-bound rows with a floor >= "
         f"{LONG_FLOOR_US:g} us: geomean {describe(floor_fractions(long_floor_rows(decode)), geomean)}",
+        *held_out_lines(decode),
+    ]
+
+
+def held_out_lines(decode: Sequence[dict]) -> list[str]:
+    """Rows whose config table entries the run held out against the others (--hold-out), at decode sizes."""
+    held = [row for row in decode if row.get("held_out")]
+    if not held:
+        return []
+    small_m = f"M <= {DECODE_MAX_M}"
+    tuned = [row for row in decode if not row.get("held_out")]
+    return [
+        f"{HELION} vs compile, {small_m}, held-out shapes: geomean "
+        f"{against_target(speedups(held, 'compile'), geomean, HELD_OUT_GEOMEAN_TARGET)}",
+        f"{HELION} vs compile, {small_m}, held-out shapes: worst row "
+        f"{against_target(speedups(held, 'compile'), min, HELD_OUT_WORST_TARGET)}",
+        f"{HELION} vs compile, {small_m}, tuned shapes: geomean {describe(speedups(tuned, 'compile'), geomean)}",
     ]
 
 
@@ -773,6 +861,7 @@ class Plan:
     device: str
     dtype: torch.dtype
     quants: tuple[str, ...] = ()  # the quantized suite: these helion_backend.quantize formats
+    held_out: tuple[str, ...] = ()  # suites whose shapes' config table entries are removed for the run
 
 
 PRESETS = {
@@ -809,6 +898,18 @@ PRESETS = {
         epilogues=EPILOGUES,
         ms=ALL_M,
         variants=VARIANTS,
+        timing=TimingConfig(),
+        device="cuda",
+        dtype=torch.bfloat16,
+    ),
+    # The popular families' shapes at decode sizes against torch.compile (108 cases: shard with --suite, and
+    # with --hold-out a family to measure it untuned).
+    "popular": Plan(
+        suites=POPULAR_SUITES,
+        shapes=None,
+        epilogues=("bias_gelu_tanh",),
+        ms=(1, 8, 32),
+        variants=("compile", HELION),
         timing=TimingConfig(),
         device="cuda",
         dtype=torch.bfloat16,
@@ -874,7 +975,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         epilog=f"Without a plan flag: the default plan ({default_cases} cases).",
     )
     preset = parser.add_mutually_exclusive_group()
-    for name in ("quick", "full", "smoke"):
+    for name in ("quick", "full", "popular", "smoke"):
         cases = len(plan_cases(PRESETS[name]))
         preset.add_argument(
             f"--{name}", dest="preset", action="store_const", const=name, help=f"{name} plan ({cases} cases)"
@@ -891,6 +992,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--quant", type=comma_list(tuple(QUANT_FORMATS)),
                         help="the quantized suite: comma list of formats (layers built by helion_backend.quantize); "
                              "run some, then --merge them into the committed file")
+    parser.add_argument("--hold-out", type=comma_list(tuple(s for s in SUITES if s != SMOKE_SUITE)), default=(),
+                        metavar="SUITES",
+                        help="comma list of suites whose shapes (and fused q/k/v width) the config tables lose for "
+                             "the run, every kernel family (a fresh cache folder, so no user table either): the "
+                             "rows at those shapes show the backend on a model nobody tuned (rows' held_out)")
     parser.add_argument("--replays", type=int, help="timed graph replays per variant")
     parser.add_argument(
         "--out-dir",
@@ -920,6 +1026,7 @@ def resolve_plan(args: argparse.Namespace) -> Plan:
         "variants": args.variants,
         "timing": timing,
         "quants": args.quant,
+        "held_out": args.hold_out or None,
     }
     return dataclasses.replace(plan, **{k: v for k, v in overrides.items() if v is not None})
 
@@ -932,6 +1039,52 @@ def configure_dynamo() -> None:
             setattr(config, name, RECOMPILE_LIMIT)
     if hasattr(config, "fail_on_recompile_limit_hit"):
         config.fail_on_recompile_limit_hit = True
+
+
+def held_out_shapes(suites: Sequence[str]) -> frozenset[tuple[int, int]]:
+    """The (K, N) of the suites' linears, and of their q, k and v in one launch (``gemm_multi``'s key)."""
+    shapes = {(shape.k, shape.n) for suite in suites for shape in SUITES[suite]}
+    for suite in suites:
+        by_name = {shape.name: shape for shape in SUITES[suite]}
+        q, kv = by_name.get("q_o", by_name.get("q")), by_name.get("kv")
+        if q is not None and kv is not None:
+            shapes.add((q.k, q.n + 2 * kv.n))
+    return frozenset(shapes)
+
+
+def without_shapes(table: dict, shapes: frozenset[tuple[int, int]]) -> tuple[dict, int]:
+    """A config table (the shipped file's JSON) without its entries at ``shapes``, and how many it lost."""
+    kept = [entry for entry in table["entries"] if (int(entry["k"]), int(entry["n"])) not in shapes]
+    return {**table, "entries": kept}, len(table["entries"]) - len(kept)
+
+
+@contextlib.contextmanager
+def holding_out(suites: Sequence[str]):
+    """For the run: the shipped config tables without the suites' shapes (every family), and a fresh cache
+    folder (no user table, nor a manifest or report from an earlier run); yields the shapes held out."""
+    from helion_backend.kernels import configs
+    from helion_backend.options import CACHE_DIR_ENV
+
+    shapes = held_out_shapes(suites)
+    with tempfile.TemporaryDirectory(prefix="bench_held_out_") as folder:
+        tables = Path(folder) / "tuned"
+        tables.mkdir()
+        for path in sorted(configs.TUNED_DIR.glob("*.json")):
+            table, removed = without_shapes(json.loads(path.read_text()), shapes)
+            (tables / path.name).write_text(json.dumps(table))
+            print(f"held out: {removed} entries of {path.name} at {len(shapes)} shapes of {', '.join(suites)}")
+        saved = configs.TUNED_DIR, os.environ.get(CACHE_DIR_ENV)
+        configs.TUNED_DIR, os.environ[CACHE_DIR_ENV] = tables, str(Path(folder) / "cache")
+        configs.forget_tables()
+        try:
+            yield shapes
+        finally:
+            configs.TUNED_DIR = saved[0]
+            if saved[1] is None:
+                os.environ.pop(CACHE_DIR_ENV)
+            else:
+                os.environ[CACHE_DIR_ENV] = saved[1]
+            configs.forget_tables()
 
 
 def l2_cache_bytes(device: torch.device) -> int:
@@ -982,6 +1135,16 @@ def run(plan: Plan, out_dir: Path, max_copies: int, budget_s: float) -> Path:
     cases = plan_cases(plan)
     rows: list[dict] = []
     json_path = write_results(out_dir, metadata, rows)
+    with contextlib.ExitStack() as stack:
+        held_out = stack.enter_context(holding_out(plan.held_out)) if plan.held_out else frozenset()
+        metadata["held_out"] = {"suites": list(plan.held_out), "shapes": sorted(map(list, held_out))}
+        _run_cases(cases, plan, device, ceilings, metadata, rows, out_dir, max_copies, budget_s, started, held_out)
+    return json_path
+
+
+def _run_cases(cases: Sequence[GemmCase], plan: Plan, device: torch.device, ceilings: Ceilings, metadata: dict,
+               rows: list[dict], out_dir: Path, max_copies: int, budget_s: float, started: float,
+               held_out: frozenset[tuple[int, int]]) -> None:
     for index, case in enumerate(cases):
         if budget_s and time.monotonic() - started > budget_s:
             metadata["skipped"] = [c.label for c in cases[index:]]
@@ -989,12 +1152,12 @@ def run(plan: Plan, out_dir: Path, max_copies: int, budget_s: float) -> Path:
             break
         copies = weight_copies(case, device, max_copies)
         with torch.no_grad():
-            rows.append(run_case(case, plan.variants, ceilings, plan.timing, device, copies))
+            rows.append({**run_case(case, plan.variants, ceilings, plan.timing, device, copies),
+                         "held_out": (case.k, case.n) in held_out})
         write_results(out_dir, metadata, rows)
         print(progress_line(rows[-1], index + 1, len(cases), time.monotonic() - started), flush=True)
     metadata["complete"] = not metadata["skipped"]
     write_results(out_dir, metadata, rows)
-    return json_path
 
 
 def main(argv: Sequence[str]) -> None:

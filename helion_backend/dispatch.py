@@ -8,7 +8,7 @@ import importlib.util
 import logging
 import math
 import traceback
-from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import torch
 
@@ -22,6 +22,7 @@ from .epilogue import (
     split_per_output,
 )
 from .norm import RmsNormSpec, parse_spec, rms_norm
+from .policy import Decision
 from .quant_program import QuantProgram, parse_program, quantize_rows
 from .vocabulary import (
     DEFAULT_KERNEL_FAMILY,
@@ -35,9 +36,6 @@ from .vocabulary import (
     Operand,
     dtype_name,
 )
-
-if TYPE_CHECKING:  # the kernels import Helion, which this module leaves to the first Helion call
-    from .kernels.configs import Verdict
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -66,36 +64,17 @@ def placement_digest(config_dir: str) -> str:
     return tables_digest(config_dir)
 
 
-def helion_size_limit(
-    k: int, n: int, dtype: torch.dtype, device: torch.device, max_helion_size: int, config_dir: str,
-    kernel: str = DEFAULT_KERNEL_FAMILY,
-) -> tuple[int, str | None]:
-    """The largest M that runs the Helion kernel at this shape, and why it is below ``max_helion_size``.
-
-    Where the GPU's config table measured cuBLAS + Inductor winning above some M, that M is the limit:
-    the fixed option is only the default crossover.
-    """
-    if device.type != "cuda" or helion_unavailable_reason() is not None:
-        return max_helion_size, None
-    from .kernels.configs import measured_crossover
-
-    crossover = measured_crossover(k, n, dtype, device, config_dir or None, kernel)
-    if crossover is None or crossover >= max_helion_size:
-        return max_helion_size, None
-    return crossover, f"measured crossover M={crossover} at K={k}, N={n} (config table)"
-
-
-def measured_verdict(
+def placement_decision(
     m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, config_dir: str,
     kernel: str = DEFAULT_KERNEL_FAMILY,
-) -> Verdict | None:
-    """The config table's verdict for a static M at this shape (see :func:`.kernels.configs.measured_verdict`);
-    None off CUDA, without Helion, or where the table has none."""
+) -> Decision | None:
+    """What the config tables say about running this key on Helion (:func:`.kernels.configs.decision`);
+    None off CUDA or without Helion, where no table applies."""
     if device.type != "cuda" or helion_unavailable_reason() is not None:
         return None
-    from .kernels.configs import measured_verdict as table_verdict
+    from .kernels.configs import decision
 
-    return table_verdict(m, k, n, dtype, device, config_dir or None, kernel)
+    return decision(m, k, n, dtype, device, config_dir or None, kernel)
 
 
 def run_gemm_epilogue(

@@ -12,6 +12,17 @@ DEBUG_DIR_ENV = "HELION_INDUCTOR_DEBUG_DIR"
 CACHE_DIR_ENV = "HELION_INDUCTOR_CACHE_DIR"
 CODE_CACHE_ENV = "HELION_INDUCTOR_CODE_CACHE"
 VERIFY_ENV = "HELION_INDUCTOR_VERIFY"
+UNTUNED_SITES_ENV = "HELION_INDUCTOR_UNTUNED_SITES"
+
+# Where a site runs whose key no config table measured closely enough (evidence ``none``): with Inductor,
+# at torch.compile's own speed, or on Helion with an untimed config (kernel tests, measuring untuned kernels).
+UNTUNED_INDUCTOR = "inductor"
+UNTUNED_HELION = "helion"
+UNTUNED_SITES = (UNTUNED_INDUCTOR, UNTUNED_HELION)
+
+# The token counts (M) the tables are tuned at: the tune command's --num-tokens default, and the Ms at which
+# placement checks a dynamic-M site's evidence.
+DEFAULT_NUM_TOKENS = (1, 2, 4, 8, 16, 24, 32)
 
 # Autotuning defaults, shared by ``python -m helion_backend tune`` and the option ``autotune_missing``.
 # ``sweep`` times the family's fixed candidate configs at the key (:mod:`helion_backend.tuning_candidates`),
@@ -92,6 +103,12 @@ class BackendOptions:
     default, as each first run costs a second computation."""
     inductor_config: Mapping[str, Any] = field(default_factory=dict)
     """Extra ``torch._inductor.config`` patches, applied after the ``mode``'s."""
+    untuned_sites: str = field(default_factory=lambda: os.environ.get(UNTUNED_SITES_ENV) or UNTUNED_INDUCTOR)
+    """Where a site runs on CUDA whose key (kernel family, dtype, K, N, M) no config table measured, nor a key
+    close enough to borrow its verdict (the report's evidence ``none``, :mod:`helion_backend.policy`):
+    ``inductor`` (cuBLAS + Inductor's epilogue: never slower than ``torch.compile``) or ``helion`` (the
+    hand-picked default config, untimed). Also set by $HELION_INDUCTOR_UNTUNED_SITES. With ``autotune_missing``
+    such sites run Helion with the config tuned for them before the first run."""
     autotune_missing: bool = False
     """Autotune, on CUDA, the Helion keys (kernel family, dtype, K, N, M) a compiled graph needs and no config
     table holds exactly, as ``python -m helion_backend tune`` would, into the user table in ``cache_dir``;
@@ -134,6 +151,7 @@ class BackendOptions:
             "max_helion_size": int,
             "rmsnorm_prologue_max_m": int,
             "decode_attention_max_rows": int,
+            "untuned_sites": str,
             "autotune_missing": bool,
             "autotune_effort": str,
             "autotune_budget_s": int,
@@ -145,6 +163,9 @@ class BackendOptions:
         for name in ("max_helion_size", "decode_attention_max_rows"):
             if getattr(self, name) < 0:
                 raise ValueError(f"helion_inductor: option {name!r} must be >= 0")
+        if self.untuned_sites not in UNTUNED_SITES:
+            raise ValueError(f"helion_inductor: option 'untuned_sites' must be one of {list(UNTUNED_SITES)}, "
+                             f"got {self.untuned_sites!r}")
         if self.autotune_effort not in TUNE_EFFORTS:
             raise ValueError(f"helion_inductor: option 'autotune_effort' must be one of {list(TUNE_EFFORTS)}, "
                              f"got {self.autotune_effort!r}")
@@ -170,12 +191,11 @@ class BackendOptions:
         return str(Path(self.cache_dir) / "kernels") if self.code_cache else None
 
     def fingerprint(self) -> dict[str, Any]:
-        """What of the options changes the rewrite (the folders, the code cache, compile-time autotuning and the
-        run-time self-check do not: a graph served from the caches is tuned and checked from the sites saved
-        with it)."""
+        """What of the options changes the rewrite (the folders, the code cache, how compile-time autotuning
+        tunes and the run-time self-check do not: a graph served from the caches is tuned and checked from the
+        sites saved with it; whether it tunes does, as it sends untuned sites to Helion)."""
         values = dataclasses.asdict(self)
-        for name in ("debug_dir", "cache_dir", "code_cache", "autotune_missing", "autotune_effort",
-                     "autotune_budget_s", "verify"):
+        for name in ("debug_dir", "cache_dir", "code_cache", "autotune_effort", "autotune_budget_s", "verify"):
             values.pop(name)
         values["inductor_config"] = sorted((k, repr(v)) for k, v in self.inductor_config.items())
         return values

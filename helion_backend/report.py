@@ -32,6 +32,21 @@ class SiteReport:
     # The option verify's checks of the site's Helion output against its reference, one per M.
     verified: list[str] = field(default_factory=list)
     module: str = ""  # the module path of the anchor in the user's model ("layers.0.mlp.down_proj"), if known
+    # What the placement rests on at each M it checked (a static M, or the tuned token counts of a dynamic
+    # one): M as text -> exact | calibrated | nearest | predicted | none (helion_backend.policy).
+    evidence: dict[str, str] = field(default_factory=dict)
+
+    def evidence_summary(self) -> str:
+        """``evidence exact`` for one M; ``evidence M=1-8 exact, M=16-32 none`` for several."""
+        runs: list[list] = []  # [first M, last M, evidence]
+        for m, word in self.evidence.items():
+            if runs and runs[-1][2] == word:
+                runs[-1][1] = m
+            else:
+                runs.append([m, m, word])
+        if len(runs) == 1 and len(self.evidence) == 1:
+            return f"evidence {runs[0][2]}"
+        return "evidence " + ", ".join(f"M={a}{'' if a == b else f'-{b}'} {word}" for a, b, word in runs)
 
 
 @dataclass
@@ -104,7 +119,8 @@ class GraphReport:
         for s in self.sites:
             chain = " -> ".join([*s.prologue, s.anchor_op.split(".")[1], *s.epilogue])
             where = f"{s.runs_on}" + (f" ({s.why})" if s.why else "")
-            lines.append(f"  [{s.rule}] {s.anchor}: {chain}  m={s.m} k={s.k} n={s.n} {s.dtype} -> {where}")
+            evidence = f" [{s.evidence_summary()}]" if s.evidence else ""
+            lines.append(f"  [{s.rule}] {s.anchor}: {chain}  m={s.m} k={s.k} n={s.n} {s.dtype} -> {where}{evidence}")
             lines.extend(f"      note: {note}" for note in s.notes)
             lines.extend(f"      fallback: {event}" for event in s.fallbacks)
             lines.extend(f"      verified: {event}" for event in s.verified)

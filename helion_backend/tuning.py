@@ -66,6 +66,7 @@ from .jsonfile import write_json_atomic
 from .kernels import configs
 from .manifest import ManifestError, ManifestSite, read_manifest
 from .options import (
+    DEFAULT_NUM_TOKENS,
     DEFAULT_TUNE_BUDGET_S,
     DEFAULT_TUNE_EFFORT,
     HELION_TUNE_EFFORTS,
@@ -83,12 +84,11 @@ from .vocabulary import DEFAULT_KERNEL_FAMILY
 
 log = logging.getLogger(__name__)
 
-DEFAULT_NUM_TOKENS = (1, 2, 4, 8, 16, 24, 32)
 # The sweep of the shipped table times with it too, so that user and shipped entries compare.
 TIMING = TimingConfig(warmup_calls=2, calls_per_graph=20, warmup_replays=3, replays=15)
 
 TableKey = tuple[str, str, int, int, int]  # (kernel, dtype, K, N, M): what a table entry is keyed by
-__all__ = ["TuneError", "TuneKey"]  # re-exported from .tuning_problems, where the problems use them
+__all__ = ["DEFAULT_NUM_TOKENS", "TuneError", "TuneKey"]  # defined in .options and .tuning_problems
 
 
 def _rank(key: TuneKey) -> tuple[int, int]:
@@ -478,7 +478,7 @@ def tune_missing(sites: Sequence[ManifestSite], options: BackendOptions, device:
             raise
         outcomes[key.table_key] = (f"{key}: tuned in {format_duration(time.monotonic() - start)}, {entry['us']} us "
                                    f"(torch.compile {entry['fallback_us']} us)")
-        return entry
+        return {**entry, configs.CALIBRATED: True}  # the site report's evidence "calibrated"
 
     start = time.monotonic()
     log.info("helion_inductor: autotuning %d key(s) no config table holds (%s)",

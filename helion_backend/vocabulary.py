@@ -200,3 +200,11 @@ SDPA_OPS: dict[torch._ops.OpOverload, str | None] = {
 # The dtypes and the largest head dimension the decode attention kernel takes.
 ATTENTION_DTYPES = tuple(SUPPORTED_DTYPES.values())
 ATTENTION_MAX_HEAD_DIM = 256
+
+# What a placement decision rests on (helion_backend/policy.py), as the site report names it.
+EVIDENCE_EXACT = "exact"  # the config table's entry at the key (family, dtype, K, N, M)
+EVIDENCE_CALIBRATED = "calibrated"  # the same, measured by option autotune_missing before a first run
+EVIDENCE_NEAREST = "nearest"  # the same (K, N) at the tuned Ms on either side of M
+EVIDENCE_PREDICTED = "predicted"  # the tuned shapes of the family close to (K, N)
+EVIDENCE_NONE = "none"  # nothing close enough was measured
+EVIDENCE = (EVIDENCE_EXACT, EVIDENCE_CALIBRATED, EVIDENCE_NEAREST, EVIDENCE_PREDICTED, EVIDENCE_NONE)

@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import helion_backend  # noqa: E402
+from helion_backend.options import UNTUNED_HELION, UNTUNED_SITES_ENV  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -32,6 +33,15 @@ def fresh_compile_state():
     helion_backend.clear_reports()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
+def untuned_sites_on_helion(request, monkeypatch):
+    """GPU tests run the kernels at shapes no config table holds, which by default stay with Inductor: send
+    them to Helion (option untuned_sites), unless a test checks the default placement (marker
+    ``default_placement``)."""
+    if request.node.get_closest_marker("gpu") and not request.node.get_closest_marker("default_placement"):
+        monkeypatch.setenv(UNTUNED_SITES_ENV, UNTUNED_HELION)
 
 
 @pytest.fixture(autouse=True)

@@ -206,15 +206,19 @@ def test_no_tuning_while_a_cuda_graph_is_captured(tmp_path, monkeypatch, fake_cu
     assert len(fake_cuda) == 2  # once
 
 
-def test_a_graph_served_from_the_caches_tunes_from_its_saved_sites(tmp_path, fake_cuda):
-    options = {"rewrite_on_cpu": True, "cache_dir": str(tmp_path)}
+def test_a_graph_served_from_the_caches_tunes_from_its_saved_sites(tmp_path, monkeypatch, fake_cuda):
+    # The option is part of the cache key (it sends untuned keys to Helion): the first compile has it too, on a
+    # device that cannot tune, and fills the caches.
+    options = {"rewrite_on_cpu": True, "cache_dir": str(tmp_path), "autotune_missing": True}
     model, x = Mlp(), torch.randn(4, 64)
     with torch.no_grad():
-        torch.compile(model, backend="helion_inductor", options=options)(x)  # fills the caches, tunes nothing
+        with monkeypatch.context() as no_device:
+            no_device.setattr(backend, "_tuning_device", lambda example_inputs: None)
+            torch.compile(model, backend="helion_inductor", options=options)(x)
         assert fake_cuda == []
         torch._dynamo.reset()
         helion_backend.clear_reports()
-        torch.compile(model, backend="helion_inductor", options={**options, "autotune_missing": True})(x)
+        torch.compile(model, backend="helion_inductor", options=options)(x)
     (report,) = helion_backend.get_reports()
     assert report.from_cache
     assert sorted(key.table_key for key in fake_cuda) == sorted([FIRST, SECOND])
@@ -255,9 +259,11 @@ def test_defaults_are_the_tune_commands():
     tuning.add_arguments(parser)
     command = parser.parse_args(["manifest.json"])
     assert (command.effort, command.budget_per_key) == (DEFAULT_TUNE_EFFORT, DEFAULT_TUNE_BUDGET_S)
-    # Tuning options do not change the rewrite, so they do not change the cache key.
-    assert BackendOptions(autotune_missing=True, autotune_budget_s=5).fingerprint() == options.fingerprint()
+    # How it tunes does not change the rewrite, so it does not change the cache key; whether it tunes does (the
+    # keys it will tune run Helion instead of Inductor).
+    assert BackendOptions(autotune_budget_s=5).fingerprint() == options.fingerprint()
     assert BackendOptions.from_user({"autotune_effort": "sweep"}).fingerprint() == options.fingerprint()
+    assert BackendOptions(autotune_missing=True).fingerprint() != options.fingerprint()
 
 
 # --- on a GPU --------------------------------------------------------------------------------------

@@ -151,3 +151,74 @@ def test_merge_refuses_results_of_another_suite(smoke_run, tmp_path):
     (tmp_path / "bf16.json").write_text(json.dumps(other))
     with pytest.raises(SystemExit, match="different devices, dtypes or suites"):
         bench_gemm.merge_results([smoke_run["json"], tmp_path / "bf16.json"], tmp_path / "out")
+
+
+# --- the popular families and the held-out mode ------------------------------------------------------------
+
+
+def test_popular_suites_have_each_decoder_linear():
+    for suite in bench_gemm.POPULAR_SUITES:
+        shapes = {shape.name: shape for shape in bench_gemm.SUITES[suite]}
+        assert {"kv", "gate_up", "down", "lm_head"} <= set(shapes) and ("q_o" in shapes or {"q", "o"} <= set(shapes))
+        q = shapes.get("q_o", shapes.get("q"))
+        hidden = q.k
+        # The MLP goes hidden -> intermediate -> hidden, attention's output back to hidden, the vocabulary from it.
+        assert shapes["down"] == bench_gemm.LinearShape("down", shapes["gate_up"].n, hidden)
+        assert shapes["kv"].k == hidden and shapes["lm_head"].k == hidden
+        assert shapes.get("o", q).n == hidden
+    gemma = {shape.name: shape for shape in bench_gemm.SUITES["gemma2_2b"]}
+    assert (gemma["q"].n, gemma["o"].k) == (8 * 256, 8 * 256)  # 8 heads of 256: not the hidden size 2304
+
+
+def test_held_out_shapes_include_the_fused_qkv_width():
+    shapes = bench_gemm.held_out_shapes(["llama3_1_8b"])
+    assert shapes == {(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (4096, 128256), (4096, 6144)}
+
+
+def test_holding_out_a_family_removes_its_keys_from_the_tables_for_the_run(monkeypatch):
+    """Llama-3.1-8B's attention shapes are Qwen3-8B's: holding it out leaves them, and the fused q/k/v key,
+    without an entry in any family, while Qwen3-32B's keep theirs; afterwards the shipped table is back."""
+    from helion_backend.kernels import configs
+
+    monkeypatch.setattr(configs, "gpu_key", lambda device: "nvidia_h200")
+    cuda = torch.device("cuda")
+
+    def evidence(k, n, kernel="gemm", dtype=torch.bfloat16, m=8):
+        return configs.decision(m, k, n, dtype, cuda, None, kernel).evidence
+
+    shipped_dir = configs.TUNED_DIR
+    configs.forget_tables()
+    assert evidence(4096, 4096) == "exact" and evidence(4096, 6144, "gemm_multi") == "exact"
+    with bench_gemm.holding_out(["llama3_1_8b"]) as shapes:
+        assert (4096, 4096) in shapes and configs.TUNED_DIR != shipped_dir
+        assert evidence(4096, 4096) != "exact" and evidence(4096, 1024, "gemm_fp8", torch.float8_e4m3fn) != "exact"
+        assert evidence(4096, 6144, "gemm_multi") != "exact"
+        assert evidence(5120, 8192) == "exact"  # Qwen3-32B's q
+        assert "bench_held_out_" in os.environ["HELION_INDUCTOR_CACHE_DIR"]  # no user table
+    assert configs.TUNED_DIR == shipped_dir and evidence(4096, 4096) == "exact"
+    assert os.environ.get("HELION_INDUCTOR_CACHE_DIR", "").find("bench_held_out_") < 0
+
+
+def test_summary_sets_held_out_rows_against_their_targets():
+    def row(m, compile_us, helion_us, held_out):
+        return {"m": m, "dtype": "bf16", "quant": None, "held_out": held_out,
+                "times_us": {"compile": compile_us, bench_gemm.HELION: helion_us},
+                "rel_err": {"compile": 1e-3, bench_gemm.HELION: 1e-3}, "weight_bound": False, "hbm_floor_us": 1.0}
+
+    rows = [row(1, 10.0, 9.0, True), row(8, 10.0, 10.5, True), row(8, 10.0, 8.0, False), row(128, 10.0, 10.0, True)]
+    lines = bench_gemm.summary_lines(rows)
+    held = [line for line in lines if "held-out" in line or "tuned shapes" in line]
+    assert held == [
+        f"{bench_gemm.HELION} vs compile, M <= 32, held-out shapes: geomean 1.029x (n=2): missed (>= 1.05x)",
+        f"{bench_gemm.HELION} vs compile, M <= 32, held-out shapes: worst row 0.952x (n=2): missed (>= 0.97x)",
+        f"{bench_gemm.HELION} vs compile, M <= 32, tuned shapes: geomean 1.250x (n=1)",
+    ]
+    assert not [line for line in bench_gemm.summary_lines(rows[2:3]) if "held-out" in line]
+
+
+def test_popular_preset_and_hold_out_parse():
+    plan = bench_gemm.resolve_plan(bench_gemm.parse_args(["--popular", "--hold-out", "gemma2_2b,mistral_7b"]))
+    assert plan.suites == bench_gemm.POPULAR_SUITES and plan.held_out == ("mistral_7b", "gemma2_2b")
+    assert len(bench_gemm.plan_cases(plan)) == 3 * sum(len(bench_gemm.SUITES[s]) for s in bench_gemm.POPULAR_SUITES)
+    with pytest.raises(SystemExit):
+        bench_gemm.parse_args(["--hold-out", "llama9"])

@@ -65,36 +65,72 @@ def test_cpu_tensors_never_read_a_gpu_table(table_dir):
     assert configs.config_for(8, 64, 64, torch.float32, torch.device("cpu")) == configs.default_config(8, 64, 64, torch.float32)
 
 
-def test_measured_crossover_is_the_last_win_before_the_first_loss(table_dir):
-    def verdict(m, wins, n=12288):
-        return {**entry(m, 32, n=n), "helion_wins": wins}
+def timed(m, lead, k=4096, n=12288, **fields):
+    """An entry whose Helion time is ``1 / lead`` of the fallback's."""
+    return {**entry(m, 32, k=k, n=n), "us": 10.0, "fallback_us": round(10.0 * lead, 3), "helion_wins": lead > 1,
+            **fields}
 
+
+def decisions(ms, k=4096, n=12288, user_dir=None):
+    found = {m: configs.decision(m, k, n, torch.bfloat16, CUDA, user_dir) for m in ms}
+    return {m: (d.evidence, d.helion, d.source) for m, d in found.items()}
+
+
+def test_a_tuned_m_follows_its_own_entry_and_an_untuned_one_both_tuned_neighbours(table_dir):
     (table_dir / "test_gpu.json").write_text(json.dumps({"entries": [
-        verdict(1, True), verdict(4, True), verdict(16, False), verdict(32, True),  # 32 after a loss: ignored
-        verdict(1, False, n=1024),
-        verdict(1, True, n=4096), verdict(32, True, n=4096),
+        timed(1, 1.3), timed(4, 1.2), timed(16, 0.9), timed(32, 1.2), {**entry(8, 32)},  # 8: not timed
     ]}))
-    crossover = {n: configs.measured_crossover(4096, n, torch.bfloat16, CUDA) for n in (12288, 1024, 4096, 8192)}
-    assert crossover == {12288: 4, 1024: 0, 4096: None, 8192: None}
+    assert decisions((1, 2, 4, 12, 16, 24, 64)) == {
+        1: ("exact", True, (4096, 12288, 1)),
+        2: ("nearest", True, (4096, 12288, 4)),  # 1 and 4 both won: the weaker of the two is the source
+        4: ("exact", True, (4096, 12288, 4)),
+        12: ("nearest", False, (4096, 12288, 16)),  # 8 was not timed: 4 and 16 are the neighbours; 16 lost...
+        16: ("exact", False, (4096, 12288, 16)),
+        24: ("nearest", False, (4096, 12288, 16)),  # ...and the win at 32 does not undo the loss at 16
+        64: ("none", False, None),  # above every tuned M: no verdict is extrapolated
+    }
+    # The config comes from the smallest tuned M >= m, as before.
+    assert configs.config_for(2, 4096, 12288, torch.bfloat16, CUDA)["block_sizes"][1] == 32
+    assert configs.decision(1, 4096, 12288, torch.bfloat16, torch.device("cpu")).evidence == "none"
 
 
-def test_a_static_m_takes_the_verdict_of_the_entry_its_config_comes_from(table_dir):
-    def verdict(m, wins):
-        return {**entry(m, 32), "helion_wins": wins}
+def test_a_narrow_win_is_no_verdict_for_the_ms_between(table_dir):
+    (table_dir / "test_gpu.json").write_text(json.dumps({"entries": [timed(1, 1.01), timed(4, 1.5)]}))
+    assert decisions((2,))[2] == ("nearest", False, (4096, 12288, 1))  # 1% is within the timing's spread
 
+
+def test_an_untuned_shape_borrows_only_a_close_shapes_lasting_lead(table_dir):
+    """K and N within 1.5x of a tuned shape, whose Helion lead held at every tuned M up to the key's M."""
     (table_dir / "test_gpu.json").write_text(json.dumps({"entries": [
-        verdict(1, True), verdict(2, False), verdict(8, True), {**entry(16, 32)},  # 16: not timed
+        timed(1, 1.5, n=12288), timed(8, 1.3, n=12288), timed(16, 1.05, n=12288), timed(32, 1.4, n=12288),
+        timed(1, 2.0, k=12288, n=4096),
     ]}))
-    verdicts = {m: configs.measured_verdict(m, 4096, 12288, torch.bfloat16, CUDA) for m in (1, 2, 3, 8, 16, 17)}
-    assert verdicts == {1: (1, True), 2: (2, False), 3: (8, True), 8: (8, True), 16: None, 17: None}
-    # The crossover stops at the first loss; M = 8's win is the verdict's alone.
-    assert configs.measured_crossover(4096, 12288, torch.bfloat16, CUDA) == 1
-    assert configs.measured_verdict(1, 4096, 12288, torch.bfloat16, torch.device("cpu")) is None
+    near = 14336  # Llama-3.1-8B's intermediate size, against Qwen3-8B's 12288
+    assert decisions((1, 4, 8, 16, 32), n=near) == {
+        1: ("predicted", True, (4096, 12288, 1)),
+        4: ("predicted", True, (4096, 12288, 8)),  # the config of the first tuned M above
+        8: ("predicted", True, (4096, 12288, 8)),
+        16: ("predicted", False, (4096, 12288, 16)),  # a 5% lead is not enough to borrow
+        32: ("predicted", False, (4096, 12288, 16)),  # the lead broke below 32
+    }
+    predicted = configs.decision(4, 4096, near, torch.bfloat16, CUDA)
+    assert configs.config_for(4, 4096, near, torch.bfloat16, CUDA) == predicted.config
+    # Twice the N, or another dtype: nothing close enough; the default config if Helion runs anyway.
+    assert decisions((1,), n=2 * 12288) == {1: ("none", False, None)}
+    assert configs.decision(1, 4096, near, torch.float16, CUDA).evidence == "none"
+    assert configs.config_for(1, 4096, 2 * 12288, torch.bfloat16, CUDA) == configs.default_config(
+        1, 4096, 2 * 12288, torch.bfloat16)
 
 
-def test_table_without_verdicts_has_no_crossover(table_dir):
+def test_entries_autotune_missing_wrote_are_calibrated(table_dir, tmp_path_factory):
+    user_dir = tmp_path_factory.mktemp("user_configs")
+    (user_dir / "test_gpu.json").write_text(json.dumps({"entries": [timed(8, 1.2, calibrated=True)]}))
+    assert decisions((8,), user_dir=str(user_dir)) == {8: ("calibrated", True, (4096, 12288, 8))}
+
+
+def test_table_without_timings_has_no_verdict(table_dir):
     (table_dir / "test_gpu.json").write_text(json.dumps({"entries": [entry(1, 32), entry(32, 64)]}))
-    assert configs.measured_crossover(4096, 12288, torch.bfloat16, CUDA) is None
+    assert decisions((1, 16)) == {1: ("none", False, None), 16: ("none", False, None)}
 
 
 def test_user_table_overrides_the_shipped_one_m_by_m(table_dir, tmp_path_factory):

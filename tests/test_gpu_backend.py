@@ -1,6 +1,7 @@
 """The backend end to end on a CUDA GPU: Helion sites under cudagraph trees, static and dynamic M."""
 
 import copy
+import json
 
 import helion
 import pytest
@@ -88,33 +89,69 @@ def test_three_d_mlp_block_matches_eager():
     assert runs == ["helion", "helion"]
 
 
-def test_measured_crossover_lowers_the_helion_limit(monkeypatch, op_calls, no_compile_caches):
-    """A config table that measured cuBLAS + Inductor winning above M=8 at this shape keeps M=16 with
-    Inductor (static M, decided at compile time) and routes dynamic M=16 calls to the plain variant."""
+def write_user_table(cache_dir, leads: dict[int, float], k: int = K, n: int = N) -> None:
+    """A user config table measuring Helion ``leads[m]`` times faster than the fallback at (K, N, m)."""
     from helion_backend.kernels import configs
 
-    monkeypatch.setattr(configs, "measured_crossover", lambda k, n, *args: 8 if (k, n) == (K, N) else None)
+    entries = [{"dtype": "bfloat16", "k": k, "n": n, "m": m, "us": 10.0, "fallback_us": 10.0 * lead,
+                "helion_wins": lead > 1, "config": dict(configs.default_config(m, k, n, torch.bfloat16))}
+               for m, lead in leads.items()]
+    folder = cache_dir / "configs"
+    folder.mkdir(parents=True)
+    (folder / f"{configs.gpu_key(torch.device('cuda'))}.json").write_text(json.dumps({"entries": entries}))
+    configs.forget_tables()
+
+
+@pytest.mark.default_placement
+def test_measured_verdicts_place_static_and_dynamic_m(tmp_path, op_calls, no_compile_caches):
+    """A config table that measured cuBLAS + Inductor winning at M=16 at this shape keeps M=16 with Inductor
+    (static M, decided at compile time) and routes dynamic M=16 calls to the plain variant; M=4 runs Helion."""
+    from helion_backend.kernels import configs
+
+    write_user_table(tmp_path, {1: 1.3, 2: 1.2, 4: 1.2, 8: 1.2, 16: 0.9})
+    options = {"cache_dir": str(tmp_path)}
     w, b = make_weights()
     fn = lambda x: F.gelu(F.linear(x, w, b), approximate="tanh")  # noqa: E731
-    for m in (4, 16):
+    try:
+        for m in (4, 16):
+            torch._dynamo.reset()
+            helion_backend.clear_reports()
+            x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+            out = torch.compile(fn, backend="helion_inductor", dynamic=False, options=options)(x)
+            assert rel_err(out, F.gelu(F.linear(x.double(), w.double(), b.double()), approximate="tanh")) <= 1e-2
+            (site,) = [s for rep in helion_backend.get_reports() for s in rep.sites]
+            assert (site.runs_on, site.evidence) == ("helion" if m <= 8 else "inductor", {str(m): "exact"}), site
+            if m > 8:
+                assert "measured faster at M=16 (evidence exact" in site.why
         torch._dynamo.reset()
-        helion_backend.clear_reports()
-        x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
-        out = torch.compile(fn, backend="helion_inductor", dynamic=False)(x)
-        assert rel_err(out, F.gelu(F.linear(x.double(), w.double(), b.double()), approximate="tanh")) <= 1e-2
-        (site,) = [s for rep in helion_backend.get_reports() for s in rep.sites]
-        assert site.runs_on == ("helion" if m <= 8 else "inductor"), site
-        if m > 8:
-            assert "measured crossover M=8" in site.why
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, backend="helion_inductor")
-    for m, fused in ((4, True), (16, False), (8, True)):
-        calls = op_calls.count
-        x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
-        torch._dynamo.mark_dynamic(x, 0)  # only M: dynamic=True would make K and N symbolic too
-        out = compiled(x)
-        assert rel_err(out, F.gelu(F.linear(x.double(), w.double(), b.double()), approximate="tanh")) <= 1e-2
-        assert (op_calls.count > calls) == fused, m
+        compiled = torch.compile(fn, backend="helion_inductor", options=options)
+        for m, fused in ((4, True), (16, False), (8, True)):
+            calls = op_calls.count
+            x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+            torch._dynamo.mark_dynamic(x, 0)  # only M: dynamic=True would make K and N symbolic too
+            out = compiled(x)
+            assert rel_err(out, F.gelu(F.linear(x.double(), w.double(), b.double()), approximate="tanh")) <= 1e-2
+            assert (op_calls.count > calls) == fused, m
+    finally:
+        configs.forget_tables()
+
+
+@pytest.mark.default_placement
+def test_an_untuned_shape_stays_with_inductor_by_default(tmp_path):
+    """K x N = 512 x 768 is in no table, nor anything within 1.5x of it: the site runs cuBLAS + Inductor's
+    epilogue, says so, and the manifest lists it for the tuner."""
+    from helion_backend.manifest import read_manifest
+
+    w, b = make_weights()
+    fn = lambda x: F.gelu(F.linear(x, w, b), approximate="tanh")  # noqa: E731
+    x = torch.randn(8, K, device="cuda", dtype=torch.bfloat16)
+    out = torch.compile(fn, backend="helion_inductor", options={"cache_dir": str(tmp_path)})(x)
+    assert rel_err(out, F.gelu(F.linear(x.double(), w.double(), b.double()), approximate="tanh")) <= 1e-2
+    (site,) = [s for rep in helion_backend.get_reports() for s in rep.sites]
+    assert (site.runs_on, site.evidence) == ("inductor", {"8": "none"}), site
+    assert "evidence none" in site.why
+    (listed,) = read_manifest(tmp_path / "manifest.json")
+    assert (listed.k, listed.n, listed.static_m) == (K, N, frozenset({8}))
 
 
 @pytest.mark.expects_fallback

@@ -175,7 +175,7 @@ def sites_placed_on_helion(monkeypatch):
     place = placement.place
 
     def on_helion(site, ctx, kernel, n):
-        return "helion", None, place(site, ctx, kernel, n)[2]  # with the site's Helion limit
+        return placement.Placement("helion", None, place(site, ctx, kernel, n).helion_limit)  # with the site's limit
 
     monkeypatch.setattr(placement, "place", on_helion)
     monkeypatch.setattr(shared_input, "place", on_helion)  # a shared launch is placed as one

@@ -30,7 +30,9 @@ def test_gated_family_is_a_choice_and_sweeps_the_gate_up_shapes(capsys):
     with pytest.raises(SystemExit) as stopped:  # --help exits after --kernel is checked, before any GPU is needed
         sweep.main(["--kernel", "gemm_glu", "--m", "1,8,32", "--help"])
     assert stopped.value.code == 0 and "gemm_glu" in capsys.readouterr().out
-    assert sweep.GLU_SHAPES == {(4096, 12288), (5120, 25600)}
+    # Qwen3-8B's and -32B's, and the popular families' (Llama-3.1-8B's, Gemma-2-2B's among them); no other.
+    assert {(4096, 12288), (5120, 25600), (4096, 14336), (2304, 9216)} <= sweep.GLU_SHAPES
+    assert (4096, 4096) not in sweep.GLU_SHAPES and len(sweep.GLU_SHAPES) == 2 + 6  # Mistral shares Llama's
     keys = sweep.sweep_keys("gemm_glu", ["qwen3_8b"], [1])
     assert [(k.k, k.n, k.epilogue) for k in keys] == [(4096, 12288, ("silu", "up_mul"))]
 

@@ -351,7 +351,8 @@ def test_tune_key_validates_every_split_and_writes_an_entry_the_backend_loads(cp
     ConfigTable.load(cpu_table_dir / "test_gpu.json", "cmd").put(entry, tuning.table_metadata(torch.device("cpu")))
     user_dir = str(cpu_table_dir)
     assert configs.config_for(4, 2048, 64, torch.bfloat16, CUDA, user_dir) == tuned[1]
-    assert configs.measured_crossover(2048, 64, torch.bfloat16, CUDA, user_dir) is None  # Helion won
+    decided = configs.decision(4, 2048, 64, torch.bfloat16, CUDA, user_dir)
+    assert (decided.evidence, decided.helion, decided.lead) == ("exact", True, 1.5)  # 4.5 us against 3.0
 
 
 def test_tune_key_keeps_todays_config_when_the_search_finds_nothing_better(cpu_table_dir, reference_kernels):

@@ -14,12 +14,11 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import NamedTuple
-
 import helion
 import torch
 
 from ..vocabulary import CONFIG_FALLBACK, DEFAULT_KERNEL_FAMILY, INT4_FAMILY, dtype_name
+from ..policy import NO_EVIDENCE, Decision, Entry, decide
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +44,8 @@ GEMV = "gemv"
 # the weight by the rows (``w @ x.T``) so that the dot's 64-row side is the weight's (kernels/quant_gemm.py).
 SWAP_AB = "swap_ab"
 _QUANTIZED_INPUTS = (torch.float8_e4m3fn, torch.int8)
+# A table entry's field: option autotune_missing measured the key before a compiled graph's first run.
+CALIBRATED = "calibrated"
 
 # The split-K finishing pass only reads the fp32 partial sums once; any coalesced tile will do.
 EPILOGUE_CONFIG = helion.Config(block_sizes=[16, 128], num_warps=4, num_stages=1)
@@ -124,14 +125,7 @@ def tables_digest(user_dir: str | None = None) -> str:
     return digest.hexdigest()
 
 
-class TunedEntry(NamedTuple):
-    """One measured key of a GPU's table: the best config at this M, and whether it beat the fallback."""
-
-    m: int
-    config: helion.Config
-    # Whether Helion beat cuBLAS + Inductor's epilogue at this key; None where the sweep did not time it.
-    helion_wins: bool | None
-
+TunedEntry = Entry  # one measured key of a GPU's table (see :class:`..policy.Entry`)
 
 TableKey = tuple[str, str, int, int]  # (kernel family, GEMM input dtype, K, N)
 
@@ -144,13 +138,19 @@ def _read_table(path: Path) -> dict[TableKey, list[TunedEntry]]:
     try:
         for entry in json.loads(path.read_text())["entries"]:
             key = (entry.get("kernel", DEFAULT_KERNEL_FAMILY), entry["dtype"], int(entry["k"]), int(entry["n"]))
-            wins = entry.get("helion_wins")
-            tuned = TunedEntry(int(entry["m"]), helion.Config(**entry["config"]), None if wins is None else bool(wins))
-            table.setdefault(key, []).append(tuned)
+            table.setdefault(key, []).append(_entry(entry))
     except (OSError, ValueError, KeyError, TypeError) as e:
         log.warning("helion_inductor: ignoring the config table %s (%s)", path, e)
         return {}
     return table
+
+
+def _entry(entry: dict) -> Entry:
+    """A table entry's fields: its lead is the fallback's time over Helion's, where both were recorded."""
+    wins, us, fallback_us = entry.get("helion_wins"), entry.get("us"), entry.get("fallback_us")
+    lead = float(fallback_us) / float(us) if us and fallback_us else None
+    return Entry(int(entry["m"]), helion.Config(**entry["config"]), None if wins is None else bool(wins), lead,
+                 bool(entry.get(CALIBRATED, False)))
 
 
 @functools.cache
@@ -172,25 +172,50 @@ def has_entry(kernel: str, dtype: str, k: int, n: int, m: int, device: torch.dev
 def forget_tables() -> None:
     """Drop the memoized tables and lookups, so that entries written in this process take effect at once
     (the fused op looks its config up on every call)."""
-    for memo in (_table, config_for, measured_crossover, measured_verdict):
+    for memo in (_table, _shapes, config_for, decision):
         memo.cache_clear()
+
+
+def _without_member_only_forms(entries: list[Entry]) -> list[Entry]:
+    """A member family's entries as a fused family borrows them: without the :data:`GEMV` and
+    :data:`SWAP_AB` ones (the fused kernels always dot ``x @ w``, and a GEMV's narrow N tiles are no dot's)."""
+    return [entry for entry in entries if not (entry.config.get(GEMV) or entry.config.get(SWAP_AB))]
+
+
+@functools.cache
+def _shapes(gpu: str, user_dir: str | None, kernel: str, dtype: str) -> dict[tuple[int, int], list[Entry]]:
+    """(K, N) -> entries of the family at this dtype; for a fused quantized family, its member family's
+    (:data:`~helion_backend.vocabulary.CONFIG_FALLBACK`: the sites it fuses, run alone) at the shapes it has
+    none of its own."""
+    table = _table(gpu, user_dir)
+    shapes = {(k, n): entries for (family, dt, k, n), entries in table.items() if (family, dt) == (kernel, dtype)}
+    member = CONFIG_FALLBACK.get(kernel)
+    if member is not None:
+        for (family, dt, k, n), entries in table.items():
+            if (family, dt) == (member, dtype) and (k, n) not in shapes:
+                shapes[(k, n)] = _without_member_only_forms(entries)
+    return {shape: entries for shape, entries in shapes.items() if entries}
 
 
 def _entries(
     k: int, n: int, dtype: torch.dtype, device: torch.device, user_dir: str | None, kernel: str
-) -> list[TunedEntry]:
-    """The family's entries at (K, N); for a fused quantized family without any, its member family's
-    (:data:`~helion_backend.vocabulary.CONFIG_FALLBACK`: the sites it fuses, run alone, at that shape), less
-    the :data:`GEMV` and :data:`SWAP_AB` ones: the fused kernels always dot ``x @ w``, and a GEMV's narrow N
-    tiles are no dot's."""
+) -> list[Entry]:
+    """The family's entries at (K, N) (see :func:`_shapes`); none off CUDA."""
     if device.type != "cuda":
         return []
-    table = _table(gpu_key(device), user_dir)
-    entries = table.get((kernel, dtype_name(dtype), k, n), [])
-    if not entries and kernel in CONFIG_FALLBACK:
-        member = table.get((CONFIG_FALLBACK[kernel], dtype_name(dtype), k, n), [])
-        entries = [entry for entry in member if not (entry.config.get(GEMV) or entry.config.get(SWAP_AB))]
-    return entries
+    return _shapes(gpu_key(device), user_dir, kernel, dtype_name(dtype)).get((k, n), [])
+
+
+@functools.cache
+def decision(
+    m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, user_dir: str | None = None,
+    kernel: str = DEFAULT_KERNEL_FAMILY,
+) -> Decision:
+    """Where the ``kernel`` family's key runs and on what evidence (:func:`helion_backend.policy.decide` over the shipped
+    and user tables of ``device``); no evidence off CUDA."""
+    if device.type != "cuda":
+        return NO_EVIDENCE
+    return decide(_shapes(gpu_key(device), user_dir, kernel, dtype_name(dtype)), k, n, m)
 
 
 @functools.cache
@@ -198,11 +223,15 @@ def config_for(
     m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, user_dir: str | None = None,
     kernel: str = DEFAULT_KERNEL_FAMILY,
 ) -> helion.Config:
-    """The tuned config of the ``kernel`` family for the smallest tuned M >= m at this (K, N), else the
-    largest tuned M, else :func:`default_config` (a fused quantized family without entries: its member
-    family's, see :func:`_entries`). ``user_dir`` holds user-tuned tables that override the
-    shipped ones. Memoized: the hot path pays one dict lookup (a table written later is read by the
-    next process, or after :func:`forget_tables`)."""
+    """The config the :func:`decision` rests on (the key's own entry, the smallest tuned M >= m at this
+    (K, N), or the closest measured shape's); else the largest tuned M's at this (K, N), else
+    :func:`default_config` (a fused quantized family without entries: its member family's, see
+    :func:`_shapes`). ``user_dir`` holds user-tuned tables that override the shipped ones. Memoized: the
+    hot path pays one dict lookup (a table written later is read by the next process, or after
+    :func:`forget_tables`)."""
+    decided = decision(m, k, n, dtype, device, user_dir, kernel).config
+    if decided is not None:
+        return decided
     entries = _entries(k, n, dtype, device, user_dir, kernel)
     if not entries:
         return default_config(m, k, n, dtype, CONFIG_FALLBACK.get(kernel, kernel))
@@ -210,40 +239,3 @@ def config_for(
         if entry.m >= m:
             return entry.config
     return entries[-1].config
-
-
-class Verdict(NamedTuple):
-    """What the table measured at the key a static M looks up: its M, and whether Helion won there."""
-
-    m: int
-    helion_wins: bool
-
-
-@functools.cache
-def measured_verdict(
-    m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, user_dir: str | None = None,
-    kernel: str = DEFAULT_KERNEL_FAMILY,
-) -> Verdict | None:
-    """Whether Helion beat cuBLAS + Inductor at the entry :func:`config_for` takes for ``m`` (the smallest
-    tuned M >= m) at this (K, N); None where there is no such entry or it was not timed against the fallback.
-    A static M is placed by it rather than by :func:`measured_crossover`, so that a loss within the timing's
-    noise at one M does not also cost the larger Ms that win."""
-    for entry in _entries(k, n, dtype, device, user_dir, kernel):
-        if entry.m >= m:
-            return None if entry.helion_wins is None else Verdict(entry.m, entry.helion_wins)
-    return None
-
-
-@functools.cache
-def measured_crossover(
-    k: int, n: int, dtype: torch.dtype, device: torch.device, user_dir: str | None = None,
-    kernel: str = DEFAULT_KERNEL_FAMILY,
-) -> int | None:
-    """The largest tuned M below the first tuned M at which Helion lost to cuBLAS + Inductor at this
-    (K, N) (0 if it lost at the smallest); None where the tables record no loss for the shape."""
-    crossover = 0
-    for entry in _entries(k, n, dtype, device, user_dir, kernel):
-        if entry.helion_wins is False:
-            return crossover
-        crossover = entry.m
-    return None

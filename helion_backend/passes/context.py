@@ -96,6 +96,10 @@ class GemmSite:
     notes: list[str] = field(default_factory=list)  # what legality cut, and why
     runs_on: str = "inductor"
     helion_limit: int = 0  # the largest M that runs the Helion kernel (set by placement)
+    # What placement's decision rests on at each M it checked (M as text -> an EVIDENCE word), and whether some
+    # M had no measurement at all (the manifest then lists the site, for the tuner).
+    evidence: dict[str, str] = field(default_factory=dict)
+    untuned: bool = False
     # The sites of the same activation this one shares a launch with (passes/shared_input.py), itself included.
     group: SiteGroup | None = field(default=None, repr=False, compare=False)
     fused: fx.Node | None = None
@@ -184,3 +188,5 @@ class PassContext:
     # GEMM nodes no rule can anchor on, with the reason (the report's ``unfused_gemms``).
     unanchored: list[tuple[fx.Node, str]] = field(default_factory=list)
     attention: list[AttentionSite] = field(default_factory=list)
+    # Shared launches kept apart for want of any measurement of their key: the tuner's manifest lists them.
+    untuned_groups: list[SiteGroup] = field(default_factory=list)

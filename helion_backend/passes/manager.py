@@ -29,7 +29,7 @@ from ..report import AttentionReport, GraphReport, SiteReport, UnfusedGemm, dim_
 from ..rules import builtin_rule_files, load_rules, rules_digest
 from ..vocabulary import dtype_name
 from . import ANALYSIS, TRANSFORMS
-from .context import AttentionSite, GemmSite, PassContext, tf32_matmuls_allowed
+from .context import AttentionSite, GemmSite, PassContext, SiteGroup, tf32_matmuls_allowed
 
 log = logging.getLogger(__name__)
 _graph_ids = itertools.count()
@@ -145,26 +145,26 @@ def _fill_report(ctx: PassContext) -> None:
 def _helion_sites(ctx: PassContext) -> list[ManifestSite]:
     """The launches this graph sends to Helion, for the tuner's manifest: a shared launch once, keyed as its
     configs are (the sum of its widths, which it records too), with every site's epilogue in turn; each with
-    its prologue (the shared launch's is its first site's: the sites share the activation and its norm)."""
-    launches = [site for site in ctx.sites if site.runs_on == "helion" and (site.group is None or site.group.sites[0] is site)]
+    its prologue (the shared launch's is its first site's: the sites share the activation and its norm).
+    Also the launches kept off Helion only for want of a measurement of their key (evidence ``none``), up to
+    ``max_helion_size``: tuning them is what would let a later compile place them on Helion."""
+    launches = [(site, site.group or SiteGroup([site], site.rule.kernel)) for site in ctx.sites
+                if (site.runs_on == "helion" or site.untuned) and (site.group is None or site.group.sites[0] is site)]
+    launches += [(group.sites[0], group) for group in ctx.untuned_groups]
     return [
         ManifestSite.declared(
-            kernel=_kernel(site),
-            epilogue=[s.name for member in _members(site) for s in member.steps],
+            kernel=launch.family,
+            epilogue=[s.name for member in launch.sites for s in member.steps],
             dtype=dtype_name(site.dtype),
             k=site.k,
-            n=sum(member.n for member in _members(site)),
+            n=sum(member.n for member in launch.sites),
             m=site.static_m,
-            helion_limit=site.helion_limit,
+            helion_limit=ctx.options.max_helion_size if site.untuned else site.helion_limit,
             prologue=[s.name for s in site.prologue],
-            widths=[member.n for member in site.group.sites] if site.group is not None else (),
+            widths=[member.n for member in launch.sites] if len(launch.sites) > 1 else (),
         )
-        for site in launches
+        for site, launch in launches
     ]
-
-
-def _members(site: GemmSite) -> list[GemmSite]:
-    return site.group.sites if site.group is not None else [site]
 
 
 def _kernel(site: GemmSite) -> str:
@@ -182,6 +182,7 @@ def _site_report(site: GemmSite) -> SiteReport:
         kernel=_kernel(site),
         runs_on=site.runs_on,
         why=site.reason,
+        evidence=dict(site.evidence),
         m=dim_for_report(site.m),
         k=site.k,
         n=site.n,

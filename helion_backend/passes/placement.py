@@ -1,12 +1,17 @@
-"""Placement: where each matched site runs (Helion, the reference composite, or Inductor), and up to which M."""
+"""Placement: where each matched site runs (Helion, the reference composite, or Inductor), up to which M, and
+on what evidence from the config tables."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from .. import dispatch
+from ..policy import NO_EVIDENCE, Decision
 from ..norm import FUSED_DTYPES
-from ..vocabulary import dtype_name
+from ..options import DEFAULT_NUM_TOKENS, UNTUNED_HELION, BackendOptions
+from ..vocabulary import EVIDENCE_NONE, dtype_name
 from .context import GemmSite, PassContext
 
 # The smallest K worth a GEMM kernel: one tensor-core dot step. Below it a "GEMM" is a few multiply-adds per
@@ -24,7 +29,9 @@ def run(ctx: PassContext) -> None:
             if problem:
                 site.drop_prologue()
                 site.notes.append(f"RMSNorm not fused: {problem}")
-        site.runs_on, site.reason, site.helion_limit = place(site, ctx, site.rule.kernel, site.n)
+        placed = place(site, ctx, site.rule.kernel, site.n)
+        site.runs_on, site.reason, site.helion_limit = placed.runs_on, placed.why, placed.helion_limit
+        site.evidence, site.untuned = placed.evidence, placed.untuned
 
 
 def _not_worth_a_kernel(site: GemmSite, ctx: PassContext) -> str | None:
@@ -49,51 +56,98 @@ def _norm_unfusable(site: GemmSite, max_m: int) -> str | None:
     return None
 
 
-def place(site: GemmSite, ctx: PassContext, kernel: str, n: int) -> tuple[str, str | None, int]:
-    """``(runs_on, why, helion_limit)`` of ``site`` run by the ``kernel`` family at width ``n``: Helion on
-    CUDA for M up to the limit (the measured crossover of that family and shape, else
-    ``max_helion_size``), the reference where asked, else Inductor. A static M up to ``max_helion_size``
-    follows the config table's verdict at that M where it has one (:func:`dispatch.measured_verdict`). A site
+class Placement(NamedTuple):
+    """Where a site runs, why, and up to which M; the evidence of each M checked (M as text -> the
+    :data:`~helion_backend.vocabulary.EVIDENCE` word); ``untuned``: kept off Helion (or sent to it untimed)
+    for want of any measurement, so the tuner's manifest lists it."""
+
+    runs_on: str
+    why: str | None
+    helion_limit: int
+    evidence: dict[str, str] = {}
+    untuned: bool = False
+
+
+def place(site: GemmSite, ctx: PassContext, kernel: str, n: int) -> Placement:
+    """Where ``site``, run by the ``kernel`` family at width ``n``, runs: on CUDA, Helion for the Ms up to
+    ``max_helion_size`` where the config tables measured Helion faster at the key or close enough to it
+    (:mod:`helion_backend.policy`), else Inductor (or, for keys nothing close was measured at,
+    as option ``untuned_sites`` says); the reference where Helion cannot run or on request off CUDA. A site
     that no kernel should run (:func:`_not_worth_a_kernel`) stays with Inductor whatever its M."""
+    options = ctx.options
     not_worth = _not_worth_a_kernel(site, ctx)
     if not_worth:
-        return "inductor", not_worth, 0
-    limit, lowered_by = dispatch.helion_size_limit(
-        site.k, n, site.dtype, site.device, ctx.options.max_helion_size, ctx.options.config_dir, kernel,
-    )
-    bound = lowered_by or f"max_helion_size={limit}"
-    if site.device.type == "cuda":
-        if site.static_m is not None:
-            placed = _place_static_m(site.static_m, site, ctx, kernel, n, limit, bound)
-            if placed is not None:
-                return placed
-        problem = dispatch.helion_unavailable_reason()
-        if problem:
-            return "reference", problem, limit
-        if site.static_m is None:
-            return "helion", f"M is dynamic: Helion when M <= {limit} at run time, cuBLAS above", limit
-        return "helion", None, limit
-    if ctx.options.rewrite_on_cpu:
-        return "reference", f"no Helion kernel on {site.device.type}: rewrite_on_cpu runs the reference", limit
-    return "inductor", (
-        f"{site.device.type} graph: left to Inductor (option rewrite_on_cpu rewrites it to the reference)"
-    ), limit
+        return Placement("inductor", not_worth, 0)
+    if site.device.type != "cuda":
+        if options.rewrite_on_cpu:
+            return Placement("reference", f"no Helion kernel on {site.device.type}: rewrite_on_cpu runs the "
+                             "reference", options.max_helion_size)
+        return Placement("inductor", f"{site.device.type} graph: left to Inductor (option rewrite_on_cpu "
+                         "rewrites it to the reference)", options.max_helion_size)
+    problem = dispatch.helion_unavailable_reason()
+    if problem:
+        return Placement("reference", problem, options.max_helion_size)
+    if site.static_m is not None:
+        return _place_static_m(site.static_m, site, ctx, kernel, n)
+    return _place_dynamic_m(site, ctx, kernel, n)
 
 
-def _place_static_m(m: int, site: GemmSite, ctx: PassContext, kernel: str, n: int, limit: int,
-                    bound: str) -> tuple[str, str | None, int] | None:
-    """Where the config table has a verdict at ``m`` (up to ``max_helion_size``), its winner; Helion above the
-    crossover raises the fused op's limit to ``m`` (above its limit the op runs its fallback). Without a
-    verdict, Inductor above the limit. None: place it as any M."""
-    verdict = None
-    if m <= ctx.options.max_helion_size:
-        verdict = dispatch.measured_verdict(m, site.k, n, site.dtype, site.device, ctx.options.config_dir, kernel)
-    if verdict is None:
-        return ("inductor", f"M={m} > {bound}: cuBLAS + Inductor's epilogue", limit) if m > limit else None
-    if not verdict.helion_wins:
-        return "inductor", (f"cuBLAS + Inductor's epilogue measured faster at M={verdict.m}, K={site.k}, N={n} "
-                            "(config table)"), limit
-    if m > limit:  # (a verdict implies Helion is available: dispatch.measured_verdict)
-        return "helion", (f"M={m} above the crossover M={limit}: Helion measured faster at M={verdict.m} "
-                          "(config table)"), m
+def _decide(m: int, site: GemmSite, ctx: PassContext, kernel: str, n: int) -> Decision:
+    decided = dispatch.placement_decision(m, site.k, n, site.dtype, site.device, ctx.options.config_dir, kernel)
+    return NO_EVIDENCE if decided is None else decided
+
+
+def _untuned_on_helion(options: BackendOptions) -> str | None:
+    """Why a key without evidence runs Helion anyway, if it does."""
+    if options.autotune_missing:
+        return "autotune_missing tunes it before the first run"
+    if options.untuned_sites == UNTUNED_HELION:
+        return f"untuned_sites={UNTUNED_HELION!r}: the default config, untimed"
     return None
+
+
+def _place_static_m(m: int, site: GemmSite, ctx: PassContext, kernel: str, n: int) -> Placement:
+    max_m = ctx.options.max_helion_size
+    if m > max_m:
+        return Placement("inductor", f"M={m} > max_helion_size={max_m}: cuBLAS + Inductor's epilogue", max_m)
+    decided = _decide(m, site, ctx, kernel, n)
+    evidence = {str(m): decided.evidence}
+    if decided.evidence == EVIDENCE_NONE:
+        anyway = _untuned_on_helion(ctx.options)
+        if anyway:
+            return Placement("helion", f"no config table entry at or close to M={m}, K={site.k}, N={n} (evidence "
+                             f"none): {anyway}", max(m, max_m), evidence, untuned=True)
+        return Placement("inductor", decided.describe(site.k, n, m), max_m, evidence, untuned=True)
+    # Above its limit the fused op runs its fallback: a static M on Helion needs a limit of at least M.
+    return Placement("helion" if decided.helion else "inductor", decided.describe(site.k, n, m), max(m, max_m),
+                     evidence)
+
+
+def _place_dynamic_m(site: GemmSite, ctx: PassContext, kernel: str, n: int) -> Placement:
+    """Helion up to the largest checked M below which every checked M runs Helion (the tuned token counts
+    and ``max_helion_size``): an M between two checked ones runs the config of the one above, measured
+    faster at both; above the limit, the plain graph (the router) or cuBLAS."""
+    max_m = ctx.options.max_helion_size
+    anyway = _untuned_on_helion(ctx.options)
+    checked = sorted(m for m in {*DEFAULT_NUM_TOKENS, max_m} if 1 <= m <= max_m)
+    evidence: dict[str, str] = {}
+    limit, stop = 0, None
+    for m in checked:
+        decided = _decide(m, site, ctx, kernel, n)
+        evidence[str(m)] = decided.evidence
+        if not (decided.helion or (decided.evidence == EVIDENCE_NONE and anyway)):
+            stop = (m, decided)
+            break
+        limit = m
+    untuned = EVIDENCE_NONE in evidence.values()
+    if limit == 0:
+        m, decided = stop if stop else (1, NO_EVIDENCE)
+        return Placement("inductor", f"M is dynamic; at M={m}: {decided.describe(site.k, n, m)}", max_m,
+                         evidence, untuned)
+    why = f"M is dynamic: Helion when M <= {limit} at run time, cuBLAS above"
+    if stop is not None:
+        m, decided = stop
+        why += f" (at M={m}: {decided.describe(site.k, n, m)})"
+    elif untuned and anyway:
+        why += f" (no config table entry at some M: {anyway})"
+    return Placement("helion", why, limit, evidence, untuned)

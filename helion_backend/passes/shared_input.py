@@ -97,17 +97,20 @@ def _group(sites: list[GemmSite], ctx: PassContext, position: dict[fx.Node, int]
     if leader.dtype in QUANT_DTYPES.values():
         _read_the_leaders_rows(sites)
     late = _operand_after_a_result(sites, position)
-    runs_on, reason, limit = place(leader, ctx, family, sum(s.n for s in sites)) if late is None else ("", "", 0)
-    if late is not None or runs_on == "inductor":
-        why = f"{late} is computed after one of their results" if late is not None else reason
+    placed = place(leader, ctx, family, sum(s.n for s in sites)) if late is None else None
+    if placed is None or placed.runs_on == "inductor":
+        why = f"{late} is computed after one of their results" if placed is None else placed.why
         for site, chain in zip(sites, chains):
             site.chain = chain
             site.notes.append(f"not in one launch with {_names(sites, site)}: {why}")
+        if placed is not None and placed.untuned:
+            ctx.untuned_groups.append(SiteGroup(sites, family))
         return
     group = SiteGroup(sites, family)
     what = "the same quantized rows and token scale" if leader.dtype in QUANT_DTYPES.values() else "the same activation"
     for site in sites:
-        site.group, site.runs_on, site.reason, site.helion_limit = group, runs_on, reason, limit
+        site.group, site.runs_on, site.reason, site.helion_limit = group, placed.runs_on, placed.why, placed.helion_limit
+        site.evidence, site.untuned = placed.evidence, placed.untuned
         site.notes.append(f"one launch ({family}) with {_names(sites, site)}: {what}")
 
 

@@ -1,0 +1,89 @@
+"""How the placement policy for untuned keys (helion_backend/policy.py) does on the measured config table.
+
+Every entry of a table holds the best Helion time and the fallback's (cuBLAS + Inductor's epilogue) at its
+key, so the policy can be replayed on the table itself, without a GPU:
+
+- leave one shape out: each tuned (family, dtype, K, N) removed in turn, its Ms decided from the others (a
+  model whose shapes nobody tuned);
+- leave one key out: each (family, dtype, K, N, M) removed in turn (an M nobody tuned).
+
+The policy must send a held-out key to Helion only where Helion won there. Each line counts the keys, those
+sent to Helion, those of them Helion lost (the policy's one forbidden mistake), the evidence, and the
+geomean against torch.compile if the borrowed config were as fast as the key's own (an upper bound: the
+GPU's held-out benchmark measures the real thing). ``--grid`` also replays other closeness ratios and
+margins, to show how far the chosen ones are from a mistake::
+
+    python benchmarks/policy_loo.py [--table helion_backend/kernels/tuned/nvidia_h200.json] [--grid]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from unittest import mock
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from helion_backend import policy
+from helion_backend.vocabulary import DEFAULT_KERNEL_FAMILY
+
+SHIPPED = Path(__file__).resolve().parents[1] / "helion_backend" / "kernels" / "tuned" / "nvidia_h200.json"
+
+
+def load_tables(path: Path) -> policy.Tables:
+    """(family, dtype) -> (K, N) -> entries sorted by M, from a table file (configs kept as plain dicts)."""
+    tables: dict[tuple[str, str], dict[tuple[int, int], list[policy.Entry]]] = {}
+    for raw in json.loads(path.read_text())["entries"]:
+        wins, us, fallback_us = raw.get("helion_wins"), raw.get("us"), raw.get("fallback_us")
+        entry = policy.Entry(int(raw["m"]), raw["config"], None if wins is None else bool(wins),
+                             float(fallback_us) / float(us) if us and fallback_us else None,
+                             bool(raw.get("calibrated", False)))
+        shapes = tables.setdefault((raw.get("kernel", DEFAULT_KERNEL_FAMILY), raw["dtype"]), {})
+        shapes.setdefault((int(raw["k"]), int(raw["n"])), []).append(entry)
+    for shapes in tables.values():
+        for entries in shapes.values():
+            entries.sort(key=lambda e: e.m)
+    return tables
+
+
+def report(tables: policy.Tables) -> list[str]:
+    lines = []
+    for name, evaluate in (("leave one shape out", policy.leave_one_shape_out),
+                           ("leave one key out", policy.leave_one_key_out)):
+        outcomes = evaluate(tables)
+        lines.append(f"{name}: {policy.summarize(outcomes).line()}")
+        for family, dtype in sorted(tables):
+            mine = [o for o in outcomes if (o.family, o.dtype) == (family, dtype)]
+            lines.append(f"  {family} {dtype}: {policy.summarize(mine).line()}")
+        lines += [f"  Helion where it lost: {o.family} {o.dtype} K={o.k} N={o.n} M={o.m}: {o.lead:.2f}x "
+                  f"({o.decision.evidence} from {o.decision.source})" for o in outcomes if o.wrong_helion]
+    return lines
+
+
+def grid(tables: policy.Tables) -> list[str]:
+    """Leave one shape out under other ratios and margins (the policy's constants patched)."""
+    lines = ["leave one shape out, by CLOSE_RATIO and PREDICTED_MARGIN:"]
+    for ratio, margin in itertools.product((1.25, 1.5, 2.0, 3.0), (1.0, 1.05, 1.1, 1.15, 1.2)):
+        with mock.patch.object(policy, "CLOSE_RATIO", ratio), mock.patch.object(policy, "PREDICTED_MARGIN", margin):
+            summary = policy.summarize(policy.leave_one_shape_out(tables))
+        chosen = " (chosen)" if (ratio, margin) == (policy.CLOSE_RATIO, policy.PREDICTED_MARGIN) else ""
+        lines.append(f"  ratio {ratio}, margin {margin}{chosen}: {summary.line()}")
+    return lines
+
+
+def main(argv: Sequence[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--table", type=Path, default=SHIPPED, help=f"a config table (default: {SHIPPED.name})")
+    parser.add_argument("--grid", action="store_true", help="also replay other ratios and margins")
+    args = parser.parse_args(argv)
+    tables = load_tables(args.table)
+    print("\n".join(report(tables) + (grid(tables) if args.grid else [])))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

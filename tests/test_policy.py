@@ -1,0 +1,47 @@
+"""The placement policy for keys without an exact entry, replayed on the shipped H200 table: a shape or key
+held out is sent to Helion only where the table measured Helion faster there (benchmarks/policy_loo.py)."""
+
+import re
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `pytest` (unlike `python -m pytest`) does not put the checkout on the path
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import policy_loo  # noqa: E402
+from helion_backend import policy  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def shipped() -> policy.Tables:
+    return policy_loo.load_tables(policy_loo.SHIPPED)
+
+
+@pytest.mark.parametrize("held_out", [policy.leave_one_shape_out, policy.leave_one_key_out])
+def test_held_out_keys_go_to_helion_only_where_helion_won(shipped, held_out):
+    outcomes = held_out(shipped)
+    summary = policy.summarize(outcomes)
+    assert summary.keys == sum(len(entries) for shapes in shipped.values() for entries in shapes.values())
+    wrong = [(o.family, o.k, o.n, o.m, round(o.lead, 2), o.decision.source) for o in outcomes if o.wrong_helion]
+    assert wrong == []
+    # Not by sending nothing to Helion: the policy finds a share of the wins it was not told about.
+    assert summary.helion >= summary.helion_won // 4 and summary.geomean_speedup > 1.1, summary.line()
+
+
+def test_a_looser_policy_would_have_picked_losses(shipped):
+    """The margins are what keeps the held-out shapes right: without them the same replay picks losses."""
+    with mock.patch.object(policy, "PREDICTED_MARGIN", 1.0):
+        loose = policy.summarize(policy.leave_one_shape_out(shipped))
+    assert loose.wrong_helion > 0 and loose.worst_wrong_lead < 0.9
+
+
+def test_the_report_names_every_family(shipped, capsys):
+    policy_loo.main([])
+    out = capsys.readouterr().out
+    assert re.match(r"leave one shape out: \d+ keys: Helion at \d+ of the \d+ Helion won, 0 where it lost", out)
+    assert all(f"  {family} {dtype}: " in out for family, dtype in shipped)
+    assert "Helion where it lost" not in out
