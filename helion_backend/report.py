@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+RUNS_ON = ("helion", "reference", "inductor")  # where a site runs, in the order reports count them
+
 _lock = threading.Lock()
 _reports: list[GraphReport] = []
 
@@ -29,6 +31,13 @@ class SiteReport:
     notes: list[str] = field(default_factory=list)
     # Run-time events: a Helion kernel that failed to compile or launch, and what ran instead.
     fallbacks: list[str] = field(default_factory=list)
+    module: str = ""  # the nn.Module the GEMM belongs to ("layers.0.mlp.down_proj"), "" when unknown
+    source: str = ""  # the model's source line that made it ("model.py:42"), "" when unknown
+
+    @property
+    def label(self) -> str:
+        """The site as a user finds it in the model: module path and source line, then the FX node."""
+        return _label(self.anchor, self.module, self.source)
 
 
 @dataclass
@@ -48,10 +57,13 @@ class AttentionReport:
     runs_on: str  # "helion" | "reference" | "inductor"
     why: str | None
     fallbacks: list[str] = field(default_factory=list)
+    module: str = ""
+    source: str = ""
 
     def summary(self) -> str:
         where = self.runs_on + (f" ({self.why})" if self.why else "")
-        return (f"  [decode_attention] {self.node}: {self.op.split('.')[1]} B={self.batch} H={self.heads} "
+        return (f"  [decode_attention] {_label(self.node, self.module, self.source)}: {self.op.split('.')[1]} "
+                f"B={self.batch} H={self.heads} "
                 f"H_kv={self.kv_heads} rows={self.rows} L={self.kv_len} D={self.head_dim} {self.dtype} "
                 f"mask={self.mask} -> {where}")
 
@@ -60,7 +72,10 @@ class AttentionReport:
 class UnfusedGemm:
     node: str
     op: str
-    reason: str
+    reason: str  # one line: what stopped it (with no rule applying, the nearest rule's objection)
+    module: str = ""
+    source: str = ""
+    rules_tried: list[str] = field(default_factory=list)  # every rule's objection, nearest first
 
 
 @dataclass
@@ -91,24 +106,40 @@ class GraphReport:
             autotuned=list(data.get("autotuned", [])),
         )
 
+    def runs_on_counts(self) -> dict[str, int]:
+        """How many matched sites run where (helion / reference / inductor), in that order, zeros left out."""
+        counts = {place: sum(s.runs_on == place for s in self.sites) for place in RUNS_ON}
+        return {place: count for place, count in counts.items() if count}
+
+    def headline(self) -> str:
+        where = ", ".join(f"{count} {place}" for place, count in self.runs_on_counts().items())
+        return (f"graph {self.graph} ({self.kind}{', from FX graph cache' if self.from_cache else ''}): "
+                f"{len(self.sites)} site(s){f' ({where})' if where else ''}, "
+                f"{len(self.unfused_gemms)} unfused GEMM(s)")
+
     def summary(self) -> str:
-        lines = [f"graph {self.graph} ({self.kind}{', from FX graph cache' if self.from_cache else ''}): "
-                 f"{len(self.sites)} fused site(s), {len(self.unfused_gemms)} unfused GEMM(s)"]
+        lines = [self.headline()]
         if self.error:
             lines.append(f"  error (graph left to Inductor): {self.error}")
         for s in self.sites:
             chain = " -> ".join([*s.prologue, s.anchor_op.split(".")[1], *s.epilogue])
             where = f"{s.runs_on}" + (f" ({s.why})" if s.why else "")
-            lines.append(f"  [{s.rule}] {s.anchor}: {chain}  m={s.m} k={s.k} n={s.n} {s.dtype} -> {where}")
+            lines.append(f"  [{s.rule}] {s.label}: {chain}  m={s.m} k={s.k} n={s.n} {s.dtype} -> {where}")
             lines.extend(f"      note: {note}" for note in s.notes)
             lines.extend(f"      fallback: {event}" for event in s.fallbacks)
         for u in self.unfused_gemms:
-            lines.append(f"  unfused {u.node} ({u.op}): {u.reason}")
+            lines.append(f"  unfused {_label(u.node, u.module, u.source, u.op)}: {u.reason}")
         for a in self.attention:
             lines.append(a.summary())
             lines.extend(f"      fallback: {event}" for event in a.fallbacks)
         lines.extend(f"  autotuned at compile time: {key}" for key in self.autotuned)
         return "\n".join(lines)
+
+
+def _label(node: str, module: str, source: str, op: str = "") -> str:
+    """``module (node, op, source)``; the node comes first where the graph kept no module path."""
+    where = ", ".join(part for part in (node if module else "", op, source) if part)
+    return f"{module or node}" + (f" ({where})" if where else "")
 
 
 def dim_for_report(m: object) -> int | str:

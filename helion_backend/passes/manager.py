@@ -29,6 +29,7 @@ from ..rules import builtin_rule_files, load_rules, rules_digest
 from ..vocabulary import dtype_name
 from . import ANALYSIS, TRANSFORMS
 from .context import AttentionSite, GemmSite, PassContext
+from .provenance import model_location
 
 log = logging.getLogger(__name__)
 _graph_ids = itertools.count()
@@ -125,13 +126,16 @@ class HelionPassManager(CustomGraphPass):
 
 
 def _fill_report(ctx: PassContext) -> None:
+    rules_tried: dict[fx.Node, list[str]] = {}
     for site in ctx.sites:
         if site.rule is None:
             ctx.unanchored.append((site.anchor, site.reason or "no rule applies"))
+            rules_tried[site.anchor] = list(site.objections)
         else:
             ctx.report.sites.append(_site_report(site))
     ctx.report.unfused_gemms.extend(
-        UnfusedGemm(node=node.name, op=str(node.target), reason=reason) for node, reason in ctx.unanchored
+        UnfusedGemm(node.name, str(node.target), reason, *model_location(node), rules_tried.get(node, []))
+        for node, reason in ctx.unanchored
     )
     ctx.report.attention.extend(map(_attention_report, ctx.attention))
 
@@ -167,6 +171,7 @@ def _kernel(site: GemmSite) -> str:
 
 
 def _site_report(site: GemmSite) -> SiteReport:
+    module, source = model_location(site.anchor, site.output)
     return SiteReport(
         rule=site.rule.name,
         anchor=site.anchor.name,
@@ -181,6 +186,8 @@ def _site_report(site: GemmSite) -> SiteReport:
         n=site.n,
         dtype=dtype_name(site.dtype),
         notes=list(site.notes),
+        module=module,
+        source=source,
     )
 
 
@@ -189,10 +196,11 @@ def _attention_report(site: AttentionSite) -> AttentionReport:
     if len(shape) != 6:  # not 4-D attention: the reason says what it is
         shape = ["?"] * 6
     batch, heads, kv_heads, rows, kv_len, head_dim = shape
+    module, source = model_location(site.node)
     return AttentionReport(node=site.node.name, op=str(site.node.target), batch=batch, heads=heads,
                            kv_heads=kv_heads, rows=rows, kv_len=kv_len, head_dim=head_dim,
                            dtype=dtype_name(site.dtype), mask=_mask_description(site), runs_on=site.runs_on,
-                           why=site.reason)
+                           why=site.reason, module=module, source=source)
 
 
 def _mask_description(site: AttentionSite) -> str:
