@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from .. import __version__, dispatch
+from .. import __version__, dispatch, logs
 from ..manifest import ManifestSite, record_sites
 from ..options import BackendOptions
 from ..report import AttentionReport, GraphReport, SiteReport, UnfusedGemm, dim_for_report, record, write_dump
@@ -81,7 +81,8 @@ class HelionPassManager(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         report = GraphReport(graph=f"graph_{next(_graph_ids):03d}", kind=self.graph_kind)
         dump_dirs = self._dump_dirs(report)
-        before = _readable(graph) if dump_dirs else ""
+        graph_text = bool(dump_dirs) or logs.wants_graph_text()
+        before = _readable(graph) if graph_text else ""
         ctx = PassContext(graph=graph, options=self.options, rules=self.rules, report=report)
         try:
             for stage in ANALYSIS:
@@ -105,15 +106,10 @@ class HelionPassManager(CustomGraphPass):
         self.reports.append(report)
         self.helion_sites.append(helion_sites)
         record(report)
-        after = _readable(graph) if dump_dirs else ""
+        after = _readable(graph) if graph_text else ""
         for directory in dump_dirs:
             write_dump(directory, report, before, after)
-        torch._logging.trace_structured(
-            "artifact",
-            metadata_fn=lambda: {"name": "helion_inductor_report", "encoding": "json"},
-            payload_fn=lambda: json.dumps(report.to_json()),
-        )
-        log.info("%s", report.summary())
+        logs.publish(report, before, after)
 
     def _dump_dirs(self, report: GraphReport) -> list[Path]:
         """Where this graph's dumps go: the debug_dir option, and Inductor's debug folder when

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 from .. import dispatch
 from ..norm import FUSED_DTYPES
 from ..vocabulary import dtype_name
 from .context import GemmSite, PassContext
+from .provenance import model_location
+
+log = logging.getLogger(__name__)
 
 
 def run(ctx: PassContext) -> None:
@@ -18,6 +23,11 @@ def run(ctx: PassContext) -> None:
                 site.drop_prologue()
                 site.notes.append(f"RMSNorm not fused: {problem}")
         site.runs_on, site.reason, site.helion_limit = place(site, ctx, site.rule.kernel, site.n)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("placement: %s m=%s k=%s n=%s %s (rule %s, kernel %s): %s up to M=%s%s",
+                      model_location(site.anchor)[0] or site.anchor.name, site.m, site.k, site.n,
+                      dtype_name(site.dtype), site.rule.name, site.rule.kernel, site.runs_on, site.helion_limit,
+                      f" ({site.reason})" if site.reason else "")
 
 
 def _norm_unfusable(site: GemmSite, max_m: int) -> str | None:
