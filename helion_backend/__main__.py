@@ -1,4 +1,5 @@
-"""Command line: ``python -m helion_backend check-rules PATH...`` and ``... tune MANIFEST``."""
+"""Command line: ``python -m helion_backend check-rules PATH...``, ``... tune MANIFEST`` and
+``... explain SCRIPT``."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from . import tuning
+from . import explain, tuning
 from .rules import RuleError, builtin_rule_files, load_rules
 
 
@@ -39,6 +40,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                           formatter_class=argparse.RawDescriptionHelpFormatter)
     tuning.add_arguments(tune)
     tune.set_defaults(func=tuning.run_command)
+    explained = sub.add_parser("explain", help="run a script's compiles with dumps on and explain what fused and "
+                                               "what did not", description=explain.DESCRIPTION)
+    explain.add_arguments(explained)
+    explained.set_defaults(func=explain.run_command)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -60,9 +60,13 @@ class AttentionReport:
     module: str = ""
     source: str = ""
 
+    @property
+    def label(self) -> str:
+        return _label(self.node, self.module, self.source)
+
     def summary(self) -> str:
         where = self.runs_on + (f" ({self.why})" if self.why else "")
-        return (f"  [decode_attention] {_label(self.node, self.module, self.source)}: {self.op.split('.')[1]} "
+        return (f"  [decode_attention] {self.label}: {self.op.split('.')[1]} "
                 f"B={self.batch} H={self.heads} "
                 f"H_kv={self.kv_heads} rows={self.rows} L={self.kv_len} D={self.head_dim} {self.dtype} "
                 f"mask={self.mask} -> {where}")
@@ -76,6 +80,10 @@ class UnfusedGemm:
     module: str = ""
     source: str = ""
     rules_tried: list[str] = field(default_factory=list)  # every rule's objection, nearest first
+
+    @property
+    def label(self) -> str:
+        return _label(self.node, self.module, self.source, self.op)
 
 
 @dataclass
@@ -128,7 +136,7 @@ class GraphReport:
             lines.extend(f"      note: {note}" for note in s.notes)
             lines.extend(f"      fallback: {event}" for event in s.fallbacks)
         for u in self.unfused_gemms:
-            lines.append(f"  unfused {_label(u.node, u.module, u.source, u.op)}: {u.reason}")
+            lines.append(f"  unfused {u.label}: {u.reason}")
         for a in self.attention:
             lines.append(a.summary())
             lines.extend(f"      fallback: {event}" for event in a.fallbacks)
