@@ -18,8 +18,10 @@ import torch.fx as fx
 ORIGIN_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack")
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
-# Dynamo names the compiled module's locals as ``L['self']``; the attribute path after it is the module's.
-_LOCAL_ROOT = re.compile(r"^L\['[^']*'\]\.?")
+# Dynamo names the compiled module's locals as ``L['self']`` (globals ``G[...]``); the attribute path after it
+# is the module's, with ``._modules['0']`` where it indexed a container.
+_ROOT = re.compile(r"^[A-Z]\['[^']*'\]\.?")
+_CONTAINER_ITEM = re.compile(r"\._modules\['([^']*)'\]")
 
 
 def module_path(node: fx.Node) -> str:
@@ -27,8 +29,9 @@ def module_path(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
         return ""
-    path, _ = list(stack.values())[-1]
-    return _LOCAL_ROOT.sub("", str(path))
+    innermost = list(stack.values())[-1]
+    path = str(innermost[0] if isinstance(innermost, tuple) else innermost)
+    return _ROOT.sub("", _CONTAINER_ITEM.sub(r".\1", path))
 
 
 def source_line(node: fx.Node) -> str:
