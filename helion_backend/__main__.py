@@ -1,4 +1,5 @@
-"""Command line: ``python -m helion_backend check-rules PATH...``, ``... tune MANIFEST`` and ``... bisect SCRIPT``."""
+"""Command line: ``python -m helion_backend check-rules PATH...``, ``... tune MANIFEST``, ``... bisect SCRIPT``
+and ``... explain SCRIPT``."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from . import bisect_sites, tuning
+from . import bisect_sites, explain, tuning
 from .rules import RuleError, builtin_rule_files, load_rules
 
 
@@ -44,6 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                             epilog=bisect_sites.EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     bisect_sites.add_arguments(bisect)
     bisect.set_defaults(func=bisect_sites.run_command)
+    explained = sub.add_parser("explain", help="run a script's compiles with dumps on and explain what fused and "
+                                               "what did not", description=explain.DESCRIPTION)
+    explain.add_arguments(explained)
+    explained.set_defaults(func=explain.run_command)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -12,7 +12,9 @@ import copy
 import hashlib
 import json
 import logging
+import os
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -22,7 +24,7 @@ from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from . import BACKEND_NAME, code_cache, dispatch, verify
 from . import report as reports
 from .manifest import ManifestSite
-from .options import BackendOptions
+from .options import SAVED_REPORTS_KEPT, SAVED_REPORTS_MAX_AGE_DAYS, BackendOptions
 from .passes.manager import HelionPassManager
 from .token_routing import TokenRouter, make_token_counter
 
@@ -226,6 +228,7 @@ def _save_state(manager: HelionPassManager, path: Path) -> dict[str, Any]:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(state))
+        prune_saved_reports(path.parent)
     except OSError as e:
         log.warning("helion_inductor: cannot save the report to %s: %s", path, e)
     return {**state, "graphs": list(zip(manager.reports, manager.helion_sites))}
@@ -235,6 +238,7 @@ def _load_state(path: Path) -> dict[str, Any] | None:
     """The state :func:`_save_state` wrote, with its reports and sites parsed; None if absent or corrupt."""
     try:
         state = json.loads(path.read_text())
+        _mark_used(path)
         served = [reports.GraphReport.from_json(entry) for entry in state["reports"]]
         state["dynamic_sites"] = [(str(expr), int(limit)) for expr, limit in state["dynamic_sites"]]
         # Saved before compile-time autotuning existed: no sites, nothing to tune.
@@ -268,6 +272,31 @@ def _replay_dump(directory: Path, report: reports.GraphReport, dump: tuple[str, 
         reports.write_dump(directory, report, *dump)
     except OSError as e:
         log.warning("helion_inductor: cannot write the dumps to %s: %s", directory, e)
+def prune_saved_reports(folder: Path, keep: int = SAVED_REPORTS_KEPT,
+                        max_age_days: float = SAVED_REPORTS_MAX_AGE_DAYS) -> list[Path]:
+    """Delete the saved reports in ``folder`` beyond the ``keep`` most recently used and those unused for
+    ``max_age_days``; the deleted paths. A graph whose report is gone is compiled once more when Inductor's
+    cache serves it (:func:`helion_inductor`), so pruning costs time, never correctness."""
+    now = time.time()
+    used = []
+    for path in folder.glob("*.json"):
+        try:
+            used.append((path.stat().st_mtime, path))
+        except OSError:  # deleted by another process meanwhile
+            continue
+    used.sort(reverse=True)
+    stale = [path for i, (mtime, path) in enumerate(used) if i >= keep or now - mtime > max_age_days * 86400]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
+
+
+def _mark_used(path: Path) -> None:
+    """Count a served report as recently used, so pruning keeps it."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
 
 
 def _graph_key(manager: HelionPassManager, gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> str:

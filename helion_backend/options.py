@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -35,6 +36,12 @@ DEFAULT_TUNE_BUDGET_S = 300  # seconds of autotuning per key
 # The sweep's compile workers (``tune --jobs``): half the CPUs, as each Triton compile takes one and the main
 # process and the workers' Python want some too; at most 8, as each holds a CUDA context and torch in memory.
 MAX_DEFAULT_TUNE_JOBS = 8
+
+
+# ``<cache_dir>/reports`` keeps the report of each graph Inductor's caches may serve, one small file a graph:
+# the newest SAVED_REPORTS_KEPT, none unused for SAVED_REPORTS_MAX_AGE_DAYS (a graph served again is used).
+SAVED_REPORTS_KEPT = 1000
+SAVED_REPORTS_MAX_AGE_DAYS = 30
 
 
 def default_tune_jobs() -> int:
@@ -123,19 +130,21 @@ class BackendOptions:
 
     @classmethod
     def from_user(cls, options: Mapping[str, Any] | None) -> BackendOptions:
+        if options is not None and not isinstance(options, Mapping):
+            raise TypeError(f"helion_inductor: options must be a dict of option names to values, got {options!r}")
         options = dict(options or {})
-        valid = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(options) - set(valid))
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(valid), key=str)
         if unknown:
-            raise ValueError(
-                f"helion_inductor: unknown option(s) {unknown}; valid options are {sorted(valid)}"
-            )
+            raise ValueError(f"helion_inductor: unknown option(s) {_unknown_names(unknown, valid)}; "
+                             f"valid options are {sorted(valid)}")
         if "rules" in options:
-            rules = options["rules"]
-            rules = [rules] if isinstance(rules, (str, os.PathLike)) else rules
-            options["rules"] = tuple(str(Path(r)) for r in rules)
+            options["rules"] = _rule_paths(options["rules"])
+        for name in ("cache_dir", "debug_dir"):
+            if name in options:
+                options[name] = _folder(name, options[name])
         if "inductor_config" in options:
-            options["inductor_config"] = dict(options["inductor_config"])
+            options["inductor_config"] = _inductor_config(options["inductor_config"])
         made = cls(**options)
         made._check_types()
         return made
@@ -199,3 +208,39 @@ class BackendOptions:
             values.pop(name)
         values["inductor_config"] = sorted((k, repr(v)) for k, v in self.inductor_config.items())
         return values
+
+
+def _unknown_names(unknown: list[Any], valid: list[str]) -> str:
+    """Each unknown name, with "(did you mean ...?)" where one valid name is close to it."""
+    def described(name: Any) -> str:
+        close = difflib.get_close_matches(name, valid, n=1) if isinstance(name, str) else []
+        return f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+
+    return ", ".join(map(described, unknown))
+
+
+def _rule_paths(value: Any) -> tuple[str, ...]:
+    """The option ``rules``: one path or a list of paths (str or os.PathLike)."""
+    paths = [value] if isinstance(value, (str, os.PathLike)) else value
+    if not isinstance(paths, (list, tuple)) or not all(isinstance(p, (str, os.PathLike)) for p in paths):
+        raise TypeError(f"helion_inductor: option 'rules' must be a path or a list of paths to rule files (TOML), "
+                        f"got {value!r}")
+    return tuple(str(Path(p)) for p in paths)
+
+
+def _folder(name: str, value: Any) -> str | None:
+    """The options ``cache_dir`` and ``debug_dir``: a path (str or os.PathLike); ``debug_dir`` may be None."""
+    if value is None and name == "debug_dir":
+        return None
+    if not isinstance(value, (str, os.PathLike)) or not str(value):
+        raise TypeError(f"helion_inductor: option {name!r} must be a path to a folder (str or os.PathLike), "
+                        f"got {value!r}")
+    return str(Path(value))
+
+
+def _inductor_config(value: Any) -> dict[str, Any]:
+    """The option ``inductor_config``: a dict of ``torch._inductor.config`` names to values."""
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise TypeError(f"helion_inductor: option 'inductor_config' must be a dict of torch._inductor.config names "
+                        f"to values, got {value!r}")
+    return dict(value)

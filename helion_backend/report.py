@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+RUNS_ON = ("helion", "reference", "inductor")  # where a site runs, in the order reports count them
+
 _lock = threading.Lock()
 _reports: list[GraphReport] = []
 
@@ -31,10 +33,16 @@ class SiteReport:
     fallbacks: list[str] = field(default_factory=list)
     # The option verify's checks of the site's Helion output against its reference, one per M.
     verified: list[str] = field(default_factory=list)
-    module: str = ""  # the module path of the anchor in the user's model ("layers.0.mlp.down_proj"), if known
+    module: str = ""  # the nn.Module the GEMM belongs to ("layers.0.mlp.down_proj"), "" when unknown
+    source: str = ""  # the model's source line that made it ("model.py:42"), "" when unknown
     # What the placement rests on at each M it checked (a static M, or the tuned token counts of a dynamic
     # one): M as text -> exact | calibrated | nearest | predicted | none (helion_backend.policy).
     evidence: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        """The site as a user finds it in the model: module path and source line, then the FX node."""
+        return _label(self.anchor, self.module, self.source)
 
     def evidence_summary(self) -> str:
         """``evidence exact`` for one M; ``evidence M=1-8 exact, M=16-32 none`` for several."""
@@ -68,10 +76,16 @@ class AttentionReport:
     fallbacks: list[str] = field(default_factory=list)
     verified: list[str] = field(default_factory=list)
     module: str = ""
+    source: str = ""
+
+    @property
+    def label(self) -> str:
+        return _label(self.node, self.module, self.source)
 
     def summary(self) -> str:
         where = self.runs_on + (f" ({self.why})" if self.why else "")
-        return (f"  [decode_attention] {self.node}: {self.op.split('.')[1]} B={self.batch} H={self.heads} "
+        return (f"  [decode_attention] {self.label}: {self.op.split('.')[1]} "
+                f"B={self.batch} H={self.heads} "
                 f"H_kv={self.kv_heads} rows={self.rows} L={self.kv_len} D={self.head_dim} {self.dtype} "
                 f"mask={self.mask} -> {where}")
 
@@ -80,7 +94,14 @@ class AttentionReport:
 class UnfusedGemm:
     node: str
     op: str
-    reason: str
+    reason: str  # one line: what stopped it (with no rule applying, the nearest rule's objection)
+    module: str = ""
+    source: str = ""
+    rules_tried: list[str] = field(default_factory=list)  # every rule's objection, nearest first
+
+    @property
+    def label(self) -> str:
+        return _label(self.node, self.module, self.source, self.op)
 
 
 @dataclass
@@ -111,27 +132,43 @@ class GraphReport:
             autotuned=list(data.get("autotuned", [])),
         )
 
+    def runs_on_counts(self) -> dict[str, int]:
+        """How many matched sites run where (helion / reference / inductor), in that order, zeros left out."""
+        counts = {place: sum(s.runs_on == place for s in self.sites) for place in RUNS_ON}
+        return {place: count for place, count in counts.items() if count}
+
+    def headline(self) -> str:
+        where = ", ".join(f"{count} {place}" for place, count in self.runs_on_counts().items())
+        return (f"graph {self.graph} ({self.kind}{', from FX graph cache' if self.from_cache else ''}): "
+                f"{len(self.sites)} site(s){f' ({where})' if where else ''}, "
+                f"{len(self.unfused_gemms)} unfused GEMM(s)")
+
     def summary(self) -> str:
-        lines = [f"graph {self.graph} ({self.kind}{', from FX graph cache' if self.from_cache else ''}): "
-                 f"{len(self.sites)} fused site(s), {len(self.unfused_gemms)} unfused GEMM(s)"]
+        lines = [self.headline()]
         if self.error:
             lines.append(f"  error (graph left to Inductor): {self.error}")
         for s in self.sites:
             chain = " -> ".join([*s.prologue, s.anchor_op.split(".")[1], *s.epilogue])
             where = f"{s.runs_on}" + (f" ({s.why})" if s.why else "")
             evidence = f" [{s.evidence_summary()}]" if s.evidence else ""
-            lines.append(f"  [{s.rule}] {s.anchor}: {chain}  m={s.m} k={s.k} n={s.n} {s.dtype} -> {where}{evidence}")
+            lines.append(f"  [{s.rule}] {s.label}: {chain}  m={s.m} k={s.k} n={s.n} {s.dtype} -> {where}{evidence}")
             lines.extend(f"      note: {note}" for note in s.notes)
             lines.extend(f"      fallback: {event}" for event in s.fallbacks)
             lines.extend(f"      verified: {event}" for event in s.verified)
         for u in self.unfused_gemms:
-            lines.append(f"  unfused {u.node} ({u.op}): {u.reason}")
+            lines.append(f"  unfused {u.label}: {u.reason}")
         for a in self.attention:
             lines.append(a.summary())
             lines.extend(f"      fallback: {event}" for event in a.fallbacks)
             lines.extend(f"      verified: {event}" for event in a.verified)
         lines.extend(f"  autotuned at compile time: {key}" for key in self.autotuned)
         return "\n".join(lines)
+
+
+def _label(node: str, module: str, source: str, op: str = "") -> str:
+    """``module (node, op, source)``; the node comes first where the graph kept no module path."""
+    where = ", ".join(part for part in (node if module else "", op, source) if part)
+    return f"{module or node}" + (f" ({where})" if where else "")
 
 
 def dim_for_report(m: object) -> int | str:

@@ -283,7 +283,7 @@ def _parse_rule(table: dict[str, Any], index: int, locate: _Locator) -> Rule:
         prologue=prologue,
         epilogue=epilogue,
         dtypes=frozenset(RULE_DTYPES[d] for d in dtype_names),
-        where=tuple(_constraint(t, fail) for t in _string_list(table, "where", fail)),
+        where=_constraints(_string_list(table, "where", fail), fail),
         priority=priority,
         kernel=kernel,
         description=_typed(table, "description", str, fail) if "description" in table else "",
@@ -368,6 +368,20 @@ class _Unknown(Exception):
     pass
 
 
+def _constraints(texts: list[str], fail) -> tuple[Constraint, ...]:
+    """The rule's ``where`` list, refused where it can never hold: a rule that silently matches nothing is a
+    mistake its author wants to hear about."""
+    constraints = tuple(_constraint(t, fail) for t in texts)
+    for constraint in constraints:
+        problem = _never_holds(constraint.tree.body)
+        if problem:
+            raise fail("where", f"constraint {constraint.text!r} can never hold: {problem}")
+    clash = _contradicting_bounds([c.tree.body for c in constraints])
+    if clash:
+        raise fail("where", f"constraints can never all hold: {clash}")
+    return constraints
+
+
 def _constraint(text: str, fail) -> Constraint:
     if len(text) > _MAX_CONSTRAINT_CHARS:
         raise fail("where", f"constraint is longer than {_MAX_CONSTRAINT_CHARS} characters")
@@ -424,6 +438,133 @@ def _interpret(node: ast.AST, values: dict[str, int | None]) -> int | bool:
             return False
         left = right
     return True
+
+
+# --------------------------------------------------------------------------------------------------
+# Constraints that can never hold: interval arithmetic over m, k, n (sizes, so >= 0), and the bounds that
+# comparisons with constants put on each name. Sound, not complete: what it refuses is never true.
+
+_INF = float("inf")
+_SIZE = (0, _INF)
+_FALSE, _TRUE, _EITHER = (0, 0), (1, 1), (0, 1)
+
+
+class _DividesByZero(Exception):
+    pass
+
+
+def _never_holds(node: ast.AST) -> str | None:
+    """Why the constraint rooted at ``node`` is false for every m, k, n, if it is provably so."""
+    try:
+        value = _range(node)
+    except _DividesByZero as e:
+        return f"{e} divides by zero"
+    return "it is false for every m, k and n" if value == _FALSE else None
+
+
+def _range(node: ast.AST) -> tuple[float, float]:
+    """The values ``node`` can take (booleans as 0 and 1)."""
+    if isinstance(node, ast.Constant):
+        return (node.value, node.value)
+    if isinstance(node, ast.Name):
+        return _SIZE
+    if isinstance(node, ast.UnaryOp):
+        lo, hi = _range(node.operand)
+        if isinstance(node.op, ast.Not):
+            return _truth(lo > 0 or hi < 0, lo == hi == 0)
+        return (-hi, -lo)
+    if isinstance(node, ast.BoolOp):
+        values = [_range(v) for v in node.values]
+        truths = [_FALSE if v == _FALSE else _TRUE if not (v[0] <= 0 <= v[1]) else _EITHER for v in values]
+        if isinstance(node.op, ast.And):
+            return _truth(_FALSE in truths, all(t == _TRUE for t in truths))
+        return _truth(all(t == _FALSE for t in truths), _TRUE in truths)
+    if isinstance(node, ast.BinOp):
+        return _binop_range(node)
+    assert isinstance(node, ast.Compare)
+    left, truths = _range(node.left), []
+    for op, comparator in zip(node.ops, node.comparators):
+        right = _range(comparator)
+        truths.append(_compare_range(op, left, right))
+        left = right
+    return _truth(_FALSE in truths, all(t == _TRUE for t in truths))
+
+
+def _truth(false: bool, true: bool) -> tuple[int, int]:
+    return _FALSE if false else _TRUE if true else _EITHER
+
+
+def _binop_range(node: ast.BinOp) -> tuple[float, float]:
+    (a, b), (c, d) = _range(node.left), _range(node.right)
+    if isinstance(node.op, ast.Add):
+        return (a + c, b + d)
+    if isinstance(node.op, ast.Sub):
+        return (a - d, b - c)
+    if isinstance(node.op, ast.Mult):
+        products = [x * y if x and y else 0 for x in (a, b) for y in (c, d)]
+        return (min(products), max(products))
+    if (c, d) == (0, 0):
+        raise _DividesByZero(repr(ast.unparse(node)))
+    if c > 0 and c == d:  # a positive constant divisor
+        if isinstance(node.op, ast.Mod):
+            return (0, c - 1)
+        return (a // c if a != -_INF else -_INF, b // c if b != _INF else _INF)
+    return (-_INF, _INF)
+
+
+def _compare_range(op: ast.cmpop, left: tuple[float, float], right: tuple[float, float]) -> tuple[int, int]:
+    (a, b), (c, d) = left, right
+    if isinstance(op, ast.Eq):
+        return _truth(b < c or d < a, a == b == c == d)
+    if isinstance(op, ast.NotEq):
+        return _truth(a == b == c == d, b < c or d < a)
+    if isinstance(op, ast.Lt):
+        return _truth(a >= d, b < c)
+    if isinstance(op, ast.LtE):
+        return _truth(a > d, b <= c)
+    if isinstance(op, ast.Gt):
+        return _truth(b <= c, a > d)
+    return _truth(b < c, a >= d)  # GtE
+
+
+_FLIPPED = {ast.Lt: ast.Gt, ast.LtE: ast.GtE, ast.Gt: ast.Lt, ast.GtE: ast.LtE, ast.Eq: ast.Eq}
+
+
+def _contradicting_bounds(conjuncts: list[ast.AST]) -> str | None:
+    """The comparisons of one name with constants, all required (the ``where`` list, ``and``, chains), that
+    leave it no value, described; None when every name keeps one."""
+    bounds: dict[str, list[float]] = {}
+    said: dict[str, list[str]] = {}
+    for name, op, value, text in _name_bounds(conjuncts):
+        lo, hi = bounds.setdefault(name, [0, _INF])
+        lo, hi = {ast.Lt: (lo, min(hi, value - 1)), ast.LtE: (lo, min(hi, value)),
+                  ast.Gt: (max(lo, value + 1), hi), ast.GtE: (max(lo, value), hi),
+                  ast.Eq: (max(lo, value), min(hi, value))}[op]
+        bounds[name] = [lo, hi]
+        said.setdefault(name, []).append(text)
+        if lo > hi:
+            return f"no {name} satisfies {' and '.join(said[name])}"
+    return None
+
+
+def _name_bounds(conjuncts: list[ast.AST]):
+    """``(name, op, constant, text)`` of each comparison of a name with a constant in ``conjuncts``, read as
+    ``name op constant``."""
+    for node in conjuncts:
+        if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.And):
+            yield from _name_bounds(node.values)
+            continue
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        for op, left, right in zip(node.ops, operands, operands[1:]):
+            if type(op) not in _FLIPPED:
+                continue
+            text = ast.unparse(ast.Compare(left=left, ops=[op], comparators=[right]))
+            if isinstance(left, ast.Name) and isinstance(right, ast.Constant):
+                yield left.id, type(op), right.value, text
+            elif isinstance(right, ast.Name) and isinstance(left, ast.Constant):
+                yield right.id, _FLIPPED[type(op)], left.value, text
 
 
 # --------------------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
@@ -371,38 +371,48 @@ def tune_all(
     clock: Callable[[], float] = time.monotonic,
     warm: Warm | None = None,
     batch_size: int = 1,
+    bar: bool = False,
 ) -> Summary:
     """Tune every key not in ``table`` (every key with ``force``), writing each entry as soon as it is done.
     A key that fails is reported and skipped; one line per key goes to ``progress`` (default: stderr).
 
     With ``warm`` (the sweep's compile workers, :mod:`.tuning_warmup`), the keys to tune go in batches of
     ``batch_size``: ``warm`` compiles a batch's keys and returns, then they are tuned one by one, so that no
-    compile competes with a timing. A key's time in the ETA includes its share of its batch's warm-up."""
+    compile competes with a timing. A key's time in the ETA includes its share of its batch's warm-up. With
+    ``bar`` (a terminal), a progress bar with the ETA stays below the lines."""
     progress = progress or sys.stderr  # looked up now, not at import: callers (and pytest) may swap it
+    with _progress_display(len(keys), progress, bar) as display:
+        return _tune_all(keys, table, tune_one, metadata, display, force, budget_s, clock, warm, batch_size)
+
+
+def _tune_all(keys: Sequence[TuneKey], table: ConfigTable, tune_one: Callable[[TuneKey], dict[str, Any]],
+              metadata: Callable[[], Mapping[str, Any]], display: _Display, force: bool, budget_s: int | None,
+              clock: Callable[[], float], warm: Warm | None, batch_size: int) -> Summary:
     summary = Summary()
     todo = [key for key in keys if force or key not in table]
     keys_left = len(todo)
     durations: list[float] = []
     warm_share: dict[TuneKey, float] = {}  # seconds of warm-up per key, of the keys warmed so far
 
-    def say(i: int, key: TuneKey | None, what: str) -> None:
-        print(f"[{i}/{len(keys)}] {'' if key is None else f'{key}: '}{what}", file=progress, flush=True)
+    def say(i: int, key: TuneKey | None, what: str, *, done: bool = False, eta_text: str | None = None) -> None:
+        display.say(f"[{i}/{len(keys)}] {'' if key is None else f'{key}: '}{what}", done=done, eta=eta_text)
 
     for i, key in enumerate(keys, 1):
         if not force and key in table:
             summary.skipped += 1
-            say(i, key, "in the table already, skipped (--force retunes)")
+            say(i, key, "in the table already, skipped (--force retunes)", done=True)
             continue
         if warm is not None and key not in warm_share:
             batch = todo[len(todo) - keys_left:][:batch_size]
             warm_share.update(_warm_batch(batch, warm, clock, functools.partial(say, i, None)))
-        say(i, key, f"tuning; ETA {eta(durations, keys_left, budget_s)}")
+        time_left = eta(durations, keys_left, budget_s)
+        say(i, key, f"tuning; ETA {time_left}", eta_text=time_left)
         start = clock()
         try:
             entry = tune_one(key)
         except Exception as e:  # one key's failure (a Helion error, out of memory) must not cost the rest
             summary.failed.append(f"{key}: {e}")
-            say(i, key, f"FAILED ({type(e).__name__}: {e})")
+            say(i, key, f"FAILED ({type(e).__name__}: {e})", done=True)
         else:
             if key in warm_share:  # its share of the batch's parallel compile, which its own seconds lack
                 entry = {**entry, "warm_seconds": round(warm_share[key], 1)}
@@ -410,10 +420,52 @@ def tune_all(
             summary.tuned += 1
             verdict = "Helion wins" if entry["helion_wins"] else "torch.compile wins"
             say(i, key, f"{entry['us']} us, torch.compile {entry['fallback_us']} us ({verdict}); "
-                        f"{format_duration(clock() - start)}, saved")
+                        f"{format_duration(clock() - start)}, saved", done=True)
         durations.append(clock() - start + warm_share.get(key, 0.0))
         keys_left -= 1
     return summary
+
+
+class _Display:
+    """:func:`tune_all`'s progress as lines on a stream: one per event (a log, a file, a pipe)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def say(self, line: str, *, done: bool, eta: str | None) -> None:
+        print(line, file=self.stream, flush=True)
+
+
+class _BarDisplay(_Display):
+    """The same lines above a progress bar (keys done of all, elapsed time, the ETA) on a terminal, drawn with
+    rich, which Helion depends on (its autotuner draws its own bars with it)."""
+
+    def __init__(self, stream: TextIO, total: int) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(TextColumn("tuning"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                            TextColumn("ETA {task.fields[eta]}"), console=Console(file=stream, force_terminal=True))
+        self.task = self.bar.add_task("tune", total=total, eta="unknown")
+
+    def say(self, line: str, *, done: bool, eta: str | None) -> None:
+        self.bar.console.print(line, markup=False, highlight=False)
+        self.bar.update(self.task, advance=1 if done else 0, **({"eta": eta} if eta is not None else {}))
+
+
+@contextlib.contextmanager
+def _progress_display(total: int, stream: TextIO, bar: bool) -> Iterator[_Display]:
+    """A :class:`_BarDisplay` where ``bar`` asks for one and rich imports, else lines."""
+    if bar:
+        try:
+            display = _BarDisplay(stream, total)
+        except ImportError:
+            bar = False
+    if not bar:
+        yield _Display(stream)
+        return
+    with display.bar:
+        yield display
 
 
 def _warm_batch(batch: Sequence[TuneKey], warm: Warm, clock: Callable[[], float],
@@ -448,13 +500,22 @@ def missing_keys(sites: Sequence[ManifestSite], device: torch.device, config_dir
 
 
 class _LogLines(io.TextIOBase):
-    """A text stream that logs each line written to it at INFO: :func:`tune_all`'s progress, in the compile's log."""
+    """A text stream that logs each line written to it at WARNING: :func:`tune_all`'s progress, in the compile's
+    log, where a first call that tunes for minutes should not be silent."""
 
     def write(self, text: str) -> int:
         for line in text.splitlines():
             if line.strip():
-                log.info("helion_inductor autotune_missing: %s", line)
+                log.warning("helion_inductor autotune_missing: %s", line)
         return len(text)
+
+
+def expected_time(effort: str, budget_s: int | None, keys: int) -> str:
+    """How long tuning ``keys`` keys should take, for the warning that announces it."""
+    budget = search_budget(effort, budget_s)
+    if budget is None:
+        return f"seconds to a minute a key ({keys} key(s): the sweep times a fixed list of candidate configs)"
+    return f"up to about {format_duration(budget * keys)} ({budget}s of search a key, plus validation and timing)"
 
 
 def tune_missing(sites: Sequence[ManifestSite], options: BackendOptions, device: torch.device) -> dict[TableKey, str]:
@@ -481,8 +542,11 @@ def tune_missing(sites: Sequence[ManifestSite], options: BackendOptions, device:
         return {**entry, configs.CALIBRATED: True}  # the site report's evidence "calibrated"
 
     start = time.monotonic()
-    log.info("helion_inductor: autotuning %d key(s) no config table holds (%s)",
-             len(keys), describe_effort(options.autotune_effort, options.autotune_budget_s))
+    log.warning("helion_inductor: autotune_missing: autotuning %d key(s) no config table holds (%s) before the "
+                "graph's first run: %s. Each key is saved to the user table in %s when done, so this happens once; "
+                "`python -m helion_backend tune` does it ahead of time", len(keys),
+                describe_effort(options.autotune_effort, options.autotune_budget_s),
+                expected_time(options.autotune_effort, options.autotune_budget_s, len(keys)), options.config_dir)
     try:
         path = user_table(options.config_dir, device)
         table = ConfigTable.load(path, COMPILE_COMMAND)
@@ -648,7 +712,7 @@ def _tune(args: argparse.Namespace) -> int:
     with pool_for(jobs, device) if jobs > 1 else contextlib.nullcontext() as pool:
         summary = tune_all(keys, table, tune_one, functools.partial(table_metadata, device),
                            force=args.force, budget_s=budget_s, warm=pool.warm if pool else None,
-                           batch_size=WARM_BATCH_PER_JOB * jobs)
+                           batch_size=WARM_BATCH_PER_JOB * jobs, bar=sys.stderr.isatty())
     print(f"{summary.tuned} tuned, {summary.skipped} skipped, {len(summary.failed)} failed -> {path}",
           file=sys.stderr)
     for failure in summary.failed:

@@ -1,3 +1,4 @@
+import logging
 import os
 import tempfile
 
@@ -25,6 +26,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def backend_logs_reach_caplog():
+    """The backend's loggers propagate to the root logger, where ``caplog`` listens: once torch's logging owns
+    them (the ``helion_inductor`` TORCH_LOGS name, registered by the installed entry point or a ``set_logs``
+    call), it stops their propagation, as it does for its own loggers."""
+    backend_log = logging.getLogger("helion_backend")
+    backend_log.propagate = True
+    yield
 
 
 @pytest.fixture(autouse=True)

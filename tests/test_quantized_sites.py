@@ -753,7 +753,7 @@ def test_block_scaled_mm_never_runs_without_its_prologue(tmp_path):
     assert not report.sites, report.summary()
     (unfused,) = report.unfused_gemms
     assert "fuses only with its block fp8 prologue" in unfused.reason, unfused.reason
-    assert "fp8_any: dtype torch.bfloat16 not allowed" in unfused.reason, unfused.reason
+    assert "nearest rule fp8_any (rules.toml:1): dtype torch.bfloat16 not allowed" in unfused.reason, unfused.reason
 
 
 @pytest.mark.skipif(not hasattr(F, "scaled_mm"), reason="no torch.nn.functional.scaled_mm in this torch")

@@ -112,3 +112,32 @@ def test_check_rules_cli(tmp_path):
     assert f"{bad}:3: rule #1: unknown anchor 'matmul'" in result.stderr
     shipped = run_cli("check-rules")
     assert shipped.returncode == 0 and "gemm_activation" in shipped.stdout
+
+
+@pytest.mark.parametrize("where, needle", [
+    ('["n // 0 == 1"]', "constraint 'n // 0 == 1' can never hold: 'n // 0' divides by zero"),
+    ('["k % (4 - 4) == 0"]', "'k % (4 - 4)' divides by zero"),
+    ('["1 > 2"]', "constraint '1 > 2' can never hold: it is false for every m, k and n"),
+    ('["n % 8 == 9"]', "constraint 'n % 8 == 9' can never hold"),
+    ('["k < 0"]', "constraint 'k < 0' can never hold"),
+    ('["not (n >= 0)"]', "can never hold"),
+    ('["n > 8 and n < 4"]', "constraints can never all hold: no n satisfies n > 8 and n < 4"),
+    ('["4096 <= n", "k > 1",\n  "n <= 1024"]', "no n satisfies 4096 <= n and n <= 1024"),
+])
+def test_a_constraint_that_can_never_hold_is_refused_at_its_line(tmp_path, where, needle):
+    path = write(tmp_path, f'# header\n[[rule]]\nname = "r"\nanchor = ["mm"]\nwhere = {where}\n')
+    with pytest.raises(RuleError) as info:
+        load_rule_file(path)
+    assert str(info.value).startswith(f"{path}:5: rule #1: "), info.value
+    assert needle in str(info.value)
+    result = run_cli("check-rules", str(path))
+    assert result.returncode == 1 and needle in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("where", ["k % 8 == 0", "n >= 1024", "m <= 32 or n == 5", "k // 128 >= 2",
+                                   "n % 16 == 0 and k >= 32", "8 <= n <= 8", "n - n == 1"])
+def test_constraints_that_can_hold_load(tmp_path, where):
+    """Only what is provably false is refused (``n - n == 1`` is false too, but the check does not see it)."""
+    path = write(tmp_path, f'[[rule]]\nname = "r"\nanchor = ["mm"]\nwhere = ["{where}"]\n')
+    ((constraint,),) = [rule.where for rule in load_rule_file(path)]
+    assert constraint.text == where

@@ -763,3 +763,21 @@ def test_fallback_compiles_afresh_without_dropping_other_compiled_functions(monk
     assert counters["stats"]["unique_graphs"] - before == 3
     user(torch.randn(4))
     assert counter.frame_count == 1
+
+
+def test_on_a_terminal_the_loop_draws_a_progress_bar_with_the_eta(tmp_path):
+    """``bar=True`` (the command's choice on a terminal): the same lines, above a bar that counts the keys done and
+    shows the ETA; a pipe or a log gets the lines alone (every test above)."""
+    keys = [key(1), key(2), key(4)]
+    clock = FakeClock()
+
+    def tune_one(k):
+        clock.now += 10.0
+        return fake_entry(k)
+
+    summary, lines = run_loop(tmp_path / "t.json", keys, tune_one, clock=clock, bar=True, budget_s=60)
+    assert summary.tuned == 3
+    drawn = "\n".join(lines)
+    assert "━" in drawn and "3/3" in drawn, drawn  # rich's bar, finished
+    assert "ETA ~3m00s (budget)" in drawn and "ETA 20s" in drawn  # before the first key ends, then the mean
+    assert sum("saved" in line for line in lines) == 3

@@ -24,7 +24,7 @@ def run(ctx: PassContext) -> None:
                     site.query, site.key, site.value, site.mask, site.scale, site.masked_bias,
                     list(val(site.output).stride()),
                     site_id(ctx.report.graph, site.node.name),
-                ))
+                ), origin=site.node)
         except Exception as e:  # leave the node to Inductor: what was inserted before the failure is dead
             site.runs_on, site.reason = "inductor", f"rewrite failed ({type(e).__name__}: {e})"
             continue

@@ -93,6 +93,7 @@ class GemmSite:
     undo_prologue: list[dict[str, object]] = field(default_factory=list)
     rule: Rule | None = None
     reason: str | None = None  # why no rule applies, or why the site is not rewritten
+    objections: list[str] = field(default_factory=list)  # with no rule applying: each rule's, nearest first
     notes: list[str] = field(default_factory=list)  # what legality cut, and why
     runs_on: str = "inductor"
     helion_limit: int = 0  # the largest M that runs the Helion kernel (set by placement)

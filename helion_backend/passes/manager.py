@@ -14,7 +14,6 @@ import itertools
 import json
 import logging
 import math
-import re
 from pathlib import Path
 
 import sympy
@@ -22,7 +21,7 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from .. import __version__, dispatch
+from .. import __version__, dispatch, logs
 from ..manifest import ManifestSite, record_sites
 from ..options import BackendOptions
 from ..report import AttentionReport, GraphReport, SiteReport, UnfusedGemm, dim_for_report, record, write_dump
@@ -30,6 +29,7 @@ from ..rules import builtin_rule_files, load_rules, rules_digest
 from ..vocabulary import dtype_name
 from . import ANALYSIS, TRANSFORMS
 from .context import AttentionSite, GemmSite, PassContext, SiteGroup, tf32_matmuls_allowed
+from .provenance import model_location
 
 log = logging.getLogger(__name__)
 _graph_ids = itertools.count()
@@ -85,7 +85,8 @@ class HelionPassManager(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         report = GraphReport(graph=f"graph_{next(_graph_ids):03d}", kind=self.graph_kind)
         dump_dirs = self._dump_dirs(report)
-        before = _readable(graph) if dump_dirs else ""
+        graph_text = bool(dump_dirs) or logs.wants_graph_text()
+        before = _readable(graph) if graph_text else ""
         ctx = PassContext(graph=graph, options=self.options, rules=self.rules, report=report, tf32=self.tf32)
         try:
             for stage in ANALYSIS:
@@ -106,19 +107,14 @@ class HelionPassManager(CustomGraphPass):
             for site in ctx.sites
             if site.fused is not None and site.static_m is None
         )
-        after = _readable(graph) if dump_dirs else ""
+        after = _readable(graph) if graph_text else ""
         self.reports.append(report)
         self.helion_sites.append(helion_sites)
         self.dumps.append((before, after) if dump_dirs else None)
         record(report)
         for directory in dump_dirs:
             write_dump(directory, report, before, after)
-        torch._logging.trace_structured(
-            "artifact",
-            metadata_fn=lambda: {"name": "helion_inductor_report", "encoding": "json"},
-            payload_fn=lambda: json.dumps(report.to_json()),
-        )
-        log.info("%s", report.summary())
+        logs.publish(report, before, after)
 
     def _dump_dirs(self, report: GraphReport) -> list[Path]:
         """Where this graph's dumps go: the debug_dir option, and Inductor's debug folder when
@@ -131,13 +127,16 @@ class HelionPassManager(CustomGraphPass):
 
 
 def _fill_report(ctx: PassContext) -> None:
+    rules_tried: dict[fx.Node, list[str]] = {}
     for site in ctx.sites:
         if site.rule is None:
             ctx.unanchored.append((site.anchor, site.reason or "no rule applies"))
+            rules_tried[site.anchor] = list(site.objections)
         else:
             ctx.report.sites.append(_site_report(site))
     ctx.report.unfused_gemms.extend(
-        UnfusedGemm(node=node.name, op=str(node.target), reason=reason) for node, reason in ctx.unanchored
+        UnfusedGemm(node.name, str(node.target), reason, *model_location(node), rules_tried.get(node, []))
+        for node, reason in ctx.unanchored
     )
     ctx.report.attention.extend(map(_attention_report, ctx.attention))
 
@@ -173,6 +172,7 @@ def _kernel(site: GemmSite) -> str:
 
 
 def _site_report(site: GemmSite) -> SiteReport:
+    module, source = model_location(site.anchor, site.output)
     return SiteReport(
         rule=site.rule.name,
         anchor=site.anchor.name,
@@ -188,7 +188,8 @@ def _site_report(site: GemmSite) -> SiteReport:
         n=site.n,
         dtype=dtype_name(site.dtype),
         notes=list(site.notes),
-        module=module_path(site.anchor),
+        module=module,
+        source=source,
     )
 
 
@@ -197,22 +198,11 @@ def _attention_report(site: AttentionSite) -> AttentionReport:
     if len(shape) != 6:  # not 4-D attention: the reason says what it is
         shape = ["?"] * 6
     batch, heads, kv_heads, rows, kv_len, head_dim = shape
+    module, source = model_location(site.node)
     return AttentionReport(node=site.node.name, op=str(site.node.target), batch=batch, heads=heads,
                            kv_heads=kv_heads, rows=rows, kv_len=kv_len, head_dim=head_dim,
                            dtype=dtype_name(site.dtype), mask=_mask_description(site), runs_on=site.runs_on,
-                           why=site.reason, module=module_path(site.node))
-
-
-def module_path(node: fx.Node) -> str:
-    """The path of the innermost module that ran ``node`` ("layers.0.self_attn.q_proj"), from Dynamo's
-    ``nn_module_stack`` without its root ("L['self']"); "" where the graph does not say."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    innermost = list(stack.values())[-1]
-    path = str(innermost[0] if isinstance(innermost, tuple) else innermost)
-    path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path)
-    return re.sub(r"^[A-Z]\['[^']*'\]\.?", "", path)
+                           why=site.reason, module=module, source=source)
 
 
 def _mask_description(site: AttentionSite) -> str:

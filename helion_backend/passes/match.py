@@ -9,6 +9,8 @@ the float activation, and the ``token_scale`` step becomes ``act_scale`` (the ke
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 from ..norm_patterns import find_rmsnorm
@@ -104,7 +106,7 @@ def choose_rule(site: GemmSite, rules: Sequence[Rule]) -> None:
 
     A site with a prologue no rule takes (or whose epilogue lost the prologue's scale step) drops the
     prologue and tries again, unless its anchor needs it. With no applicable rule the site keeps
-    ``rule=None`` and a reason naming each rule's objection.
+    ``rule=None``, a one-line reason naming the nearest rule and its objection, and every rule's objection.
     """
     if site.prologue_required and not site.prologue:  # the notes say why the prologue was dropped
         site.rule, site.reason = None, "; ".join([site.prologue_required, *site.notes])
@@ -112,19 +114,20 @@ def choose_rule(site: GemmSite, rules: Sequence[Rule]) -> None:
     all_rules = rules
     names = [s.name for s in site.chain if not s.transparent]
     best: tuple[tuple[int, int], Rule, int] | None = None
-    objections = []
+    objections: list[Objection] = []
     prologue = [s.name for s in site.prologue]
     if prologue and "act_scale" not in names and site.quantizes_per_token:
-        objections.append(f"prologue [{', '.join(prologue)}]: its scale step is not in the fused epilogue")
+        objections.append(Objection(None, 0, f"prologue [{', '.join(prologue)}]: its scale step is not in the "
+                                             "fused epilogue"))
         rules = ()
     for rule in rules:
-        problem, accepted = _check(rule, site, names)
-        if problem:
-            objections.append(f"{rule.name}: {problem}")
+        fit = _check(rule, site, names)
+        if fit.problem:
+            objections.append(Objection(rule, fit.stage, fit.problem))
             continue
-        key = (rule.priority, accepted)
+        key = (rule.priority, fit.accepted)
         if best is None or key > best[0]:
-            best = (key, rule, accepted)
+            best = (key, rule, fit.accepted)
     if best is not None and site.rms_norm is not None:
         outranking = _outranks_without_norm(site, rules, names, best[0])
         if outranking is not None:  # the norm is only worth fusing where the rule the user ranks first takes it
@@ -132,18 +135,62 @@ def choose_rule(site: GemmSite, rules: Sequence[Rule]) -> None:
             site.drop_prologue()
             choose_rule(site, all_rules)
             return
+    objections.sort(key=Objection.nearness, reverse=True)
     if best is None and site.prologue:
-        site.notes.append("prologue [" + ", ".join(prologue) + "] not fused: " + "; ".join(objections))
+        site.notes.append("prologue [" + ", ".join(prologue) + "] not fused: " + _nearest(objections))
         site.drop_prologue()
         choose_rule(site, all_rules)
         return
     if best is None:
         site.rule = None
-        site.reason = "no rule applies (" + "; ".join(objections or ["no rules loaded"]) + ")"
+        site.reason = "no rule applies: " + _nearest(objections)
+        site.objections = [str(o) for o in objections]
         return
     _, site.rule, accepted = best
     site.reason = None
+    site.objections = []
     site.chain = _cut(site.chain, accepted)
+
+
+@dataclass(frozen=True)
+class Objection:
+    """Why ``rule`` does not take a site; ``stage`` counts the checks of :func:`_check` it passed (the rule
+    that passed most, then the highest ranked, is the nearest: the one a user would edit). ``rule`` is None
+    for an objection to the site itself, which no rule can lift."""
+
+    rule: Rule | None
+    stage: int
+    problem: str
+
+    def nearness(self) -> tuple[int, int]:
+        return (self.stage, self.rule.priority if self.rule else 0)
+
+    def __str__(self) -> str:
+        return f"{self.rule.name}: {self.problem}" if self.rule else self.problem
+
+
+def _nearest(objections: Sequence[Objection]) -> str:
+    """One line: the nearest rule, where it is defined, and what stopped it."""
+    if not objections:
+        return "no rules loaded"
+    nearest = objections[0]
+    if nearest.rule is None:
+        return nearest.problem
+    others = f" ({len(objections) - 1} other rule(s) fit less)" if len(objections) > 1 else ""
+    return f"nearest rule {nearest.rule.name} ({_file_and_line(nearest.rule.source)}): {nearest.problem}{others}"
+
+
+def _file_and_line(source: str) -> str:
+    """``name.toml:line`` of a rule's ``path:line``."""
+    path, _, line = source.rpartition(":")
+    return f"{Path(path).name}:{line}"
+
+
+@dataclass(frozen=True)
+class _Fit:
+    problem: str | None  # None: the rule takes the site
+    stage: int = 0  # checks passed before the problem
+    accepted: int = 0  # with no problem: how many named epilogue steps the rule fuses
 
 
 def _outranks_without_norm(site: GemmSite, rules: Sequence[Rule], names: list[str],
@@ -152,40 +199,42 @@ def _outranks_without_norm(site: GemmSite, rules: Sequence[Rule], names: list[st
     prologue, site.prologue = site.prologue, []
     try:
         for rule in rules:
-            problem, accepted = _check(rule, site, names)
-            if problem is None and (rule.priority, accepted) > key:
+            fit = _check(rule, site, names)
+            if fit.problem is None and (rule.priority, fit.accepted) > key:
                 return rule
     finally:
         site.prologue = prologue
     return None
 
 
-def _check(rule: Rule, site: GemmSite, names: list[str]) -> tuple[str | None, int]:
+def _check(rule: Rule, site: GemmSite, names: list[str]) -> _Fit:
+    """Whether ``rule`` takes ``site``: checks in the order a user would fix them (the form, the dtype, the
+    prologue, the shapes, the epilogue)."""
     if not rule.anchors & site.forms:
-        return f"anchor {sorted(site.forms)} not in {sorted(rule.anchors)}", 0
+        return _Fit(f"anchor {sorted(site.forms)} not in {sorted(rule.anchors)}", 0)
     if site.dtype not in rule.dtypes:
-        return f"dtype {site.dtype} not allowed", 0
+        return _Fit(f"dtype {site.dtype} not allowed", 1)
     prologue = [s.name for s in site.prologue]
     if KERNEL_FAMILIES[rule.kernel].needs_prologue and not prologue:
-        return f"kernel {rule.kernel} needs a prologue", 0
+        return _Fit(f"kernel {rule.kernel} needs a prologue", 2)
     if not rule.accepts_prologue(prologue):
-        return f"prologue [{', '.join(prologue)}] does not fit [{', '.join(map(str, rule.prologue))}]", 0
+        return _Fit(f"prologue [{', '.join(prologue)}] does not fit [{', '.join(map(str, rule.prologue))}]", 3)
     values = {"m": site.static_m, "k": site.k, "n": site.n}
     for constraint in rule.where:
         holds = constraint.holds(values)
         if holds is None:
-            return f"'{constraint.text}' reads the dynamic m", 0
+            return _Fit(f"'{constraint.text}' reads the dynamic m", 4)
         if not holds:
-            return f"'{constraint.text}' is false for m={site.m}, k={site.k}, n={site.n}", 0
+            return _Fit(f"'{constraint.text}' is false for m={site.m}, k={site.k}, n={site.n}", 4)
     accepted = rule.accepted_prefix(names)
     leading = sum(not s.transparent for s in site.leading_steps)
     if accepted is None or accepted < leading:
         got = ", ".join(names) or "none"
-        return f"epilogue [{got}] does not fit [{', '.join(map(str, rule.epilogue))}]", 0
+        return _Fit(f"epilogue [{got}] does not fit [{', '.join(map(str, rule.epilogue))}]", 5)
     if site.quantizes_per_token and accepted <= names.index("act_scale"):
         # The kernel rescales by the activation's scale right after the GEMM: the site must reach that step.
-        return "its fused epilogue would stop before act_scale", 0
-    return None, accepted
+        return _Fit("its fused epilogue would stop before act_scale", 6)
+    return _Fit(None, accepted=accepted)
 
 
 def _cut(chain: list[Step], named_steps: int) -> list[Step]:

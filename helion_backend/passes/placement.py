@@ -3,6 +3,7 @@ on what evidence from the config tables."""
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import torch
@@ -13,6 +14,9 @@ from ..norm import FUSED_DTYPES
 from ..options import DEFAULT_NUM_TOKENS, UNTUNED_HELION, BackendOptions
 from ..vocabulary import EVIDENCE_NONE, dtype_name
 from .context import GemmSite, PassContext
+from .provenance import model_location
+
+log = logging.getLogger(__name__)
 
 # The smallest K worth a GEMM kernel: one tensor-core dot step. Below it a "GEMM" is a few multiply-adds per
 # output (a rotary embedding's ``inv_freq @ position_ids`` has K = 1), which Inductor computes as pointwise
@@ -32,6 +36,11 @@ def run(ctx: PassContext) -> None:
         placed = place(site, ctx, site.rule.kernel, site.n)
         site.runs_on, site.reason, site.helion_limit = placed.runs_on, placed.why, placed.helion_limit
         site.evidence, site.untuned = placed.evidence, placed.untuned
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("placement: %s m=%s k=%s n=%s %s (rule %s, kernel %s): %s up to M=%s%s",
+                      model_location(site.anchor)[0] or site.anchor.name, site.m, site.k, site.n,
+                      dtype_name(site.dtype), site.rule.name, site.rule.kernel, site.runs_on, site.helion_limit,
+                      f" ({site.reason})" if site.reason else "")
 
 
 def _not_worth_a_kernel(site: GemmSite, ctx: PassContext) -> str | None:

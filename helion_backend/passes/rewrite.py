@@ -15,6 +15,7 @@ from ..ops import OP_NAMESPACE
 from ..patterns import val
 from ..report import site_id
 from .context import GemmSite, PassContext, SiteGroup
+from .provenance import keep_origin
 
 if TYPE_CHECKING:
     from ..norm_patterns import RmsNormMatch
@@ -73,7 +74,7 @@ def _replace(graph: fx.Graph, site: GemmSite, config_dir: str, name: str, replac
             *_norm_args(norm),
             *([format_steps([s.name for s in site.up_steps])] if site.up_steps else []),
         ), lambda node: replaced.get(node, node))
-        fused = insert_call(graph, FUSED_OP, args)
+        fused = insert_call(graph, FUSED_OP, args, origin=site.anchor)
         _take_output(graph, site, fused, replaced)
 
 
@@ -100,16 +101,17 @@ def _replace_group(graph: fx.Graph, group: SiteGroup, config_dir: str, name: str
             *_norm_args(norm),
             group.family,
         ), lambda node: replaced.get(node, node))
-        fused = insert_call(graph, MULTI_OP, args)
+        fused = insert_call(graph, MULTI_OP, args, origin=leader.anchor)
         for i, site in enumerate(sites):
-            _take_output(graph, site, insert_call(graph, operator.getitem, (fused, i)), replaced)
+            _take_output(graph, site, insert_call(graph, operator.getitem, (fused, i), origin=site.anchor), replaced)
 
 
 def _activation(graph: fx.Graph, site: GemmSite, replaced: dict[fx.Node, fx.Node]) -> fx.Node:
     """The op's x: the site's activation, or a fused norm's 3-D input seen as the GEMM saw it."""
     norm = site.rms_norm
     if norm is not None and norm.view is not None:
-        return insert_call(graph, aten.view.default, (replaced.get(norm.x, norm.x), norm.view.args[1]))
+        return insert_call(graph, aten.view.default, (replaced.get(norm.x, norm.x), norm.view.args[1]),
+                           origin=norm.view)
     return site.x
 
 
@@ -119,7 +121,7 @@ def _weight_scale(graph: fx.Graph, site: GemmSite, replaced: dict[fx.Node, fx.No
     scale = site.weight_scale
     if scale is None or not site.weight_scale_kn:
         return scale
-    return insert_call(graph, aten.permute.default, (replaced.get(scale, scale), [1, 0]))
+    return insert_call(graph, aten.permute.default, (replaced.get(scale, scale), [1, 0]), origin=site.anchor)
 
 
 def _norm_args(norm: RmsNormMatch | None) -> tuple[fx.Node | None, str]:
@@ -132,14 +134,17 @@ def _take_output(graph: fx.Graph, site: GemmSite, result: fx.Node, replaced: dic
     site.fused = result
     reshapes = [s for s in site.chain if s.name == "reshape"]
     if reshapes:  # a 3-D F.linear: view the [M, N] result back to the shape users expect
-        result = insert_call(graph, aten.view.default, (result, reshapes[-1].out.args[1]))
+        result = insert_call(graph, aten.view.default, (result, reshapes[-1].out.args[1]), origin=reshapes[-1].out)
     site.output.replace_all_uses_with(result)
     replaced[site.output] = result
 
 
-def insert_call(graph: fx.Graph, target, args: tuple) -> fx.Node:
-    """A call of ``target`` at the graph's insertion point, with its fake value in ``meta["val"]``."""
+def insert_call(graph: fx.Graph, target, args: tuple, *, origin: fx.Node | None = None) -> fx.Node:
+    """A call of ``target`` at the graph's insertion point, with its fake value in ``meta["val"]`` and, given
+    the node whose work it takes over (``origin``), that node's trace of the model."""
     node = graph.call_function(target, args)
+    if origin is not None:
+        keep_origin(node, origin)
     vals = fx.node.map_arg(args, lambda n: n.meta["val"])
     with detect_fake_mode(tree_leaves(vals)):
         node.meta["val"] = target(*vals)
