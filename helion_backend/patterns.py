@@ -21,7 +21,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .epilogue import ACTIVATION_FORMULAS
 from .passes.context import Step
-from .vocabulary import SUPPORTED_DTYPES, Operand
+from .vocabulary import COLLECTIVE_NAMESPACES, SUPPORTED_DTYPES, Operand
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -57,6 +57,30 @@ def activation_identity(node: fx.Node) -> tuple:
 
 def same_shape(a: Sequence, b: Sequence) -> bool:
     return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
+
+
+def is_collective(node: fx.Node) -> bool:
+    """A torch.distributed collective or its wait (:data:`~helion_backend.vocabulary.COLLECTIVE_NAMESPACES`)."""
+    target = node.target
+    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+            and target.namespace in COLLECTIVE_NAMESPACES)
+
+
+def collective_between(*nodes: fx.Node) -> fx.Node | None:
+    """The first collective after the earliest of ``nodes`` and up to the latest, in graph order, if any.
+
+    A fused op runs where the graph placed one node of its site (the rewrite inserts it before the site's
+    result), so the work of every other node it replaces moves there. Every rank must issue its collectives
+    in one order, and Inductor (with its micro-pipeline TP pass) schedules GEMMs against them: a site whose
+    nodes lie on both sides of a collective is not formed, whatever the dataflow allows.
+    """
+    first, last = min(nodes, key=_order), max(nodes, key=_order)
+    node = first
+    while node is not last:
+        node = node.next
+        if is_collective(node):
+            return node
+    return None
 
 
 def is_float_cast(node: fx.Node) -> bool:

@@ -200,3 +200,11 @@ SDPA_OPS: dict[torch._ops.OpOverload, str | None] = {
 # The dtypes and the largest head dimension the decode attention kernel takes.
 ATTENTION_DTYPES = tuple(SUPPORTED_DTYPES.values())
 ATTENTION_MAX_HEAD_DIM = 256
+
+# torch.distributed in a post-grad graph (tensor parallelism): the op namespaces of collectives and their
+# waits, functional (``torch.distributed._functional_collectives``, DTensor's redistributions) or not, and of
+# the fused collective matmuls Inductor's micro-pipeline TP pass makes. A site never takes one in, and never
+# moves a GEMM or its epilogue past one (``patterns.collective_between``).
+COLLECTIVE_NAMESPACES = frozenset({
+    "_c10d_functional", "_c10d_functional_autograd", "c10d_functional", "c10d", "_dtensor", "symm_mem",
+})
