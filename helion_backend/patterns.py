@@ -35,6 +35,12 @@ _REGION_OPS = frozenset({
 _CASTS = frozenset({prims.convert_element_type.default})
 # The ops that reshape without moving data, as they appear post-grad (F.linear's [B*S, K] views among them).
 RESHAPES = frozenset({aten.reshape.default, aten.view.default, aten._unsafe_view.default})
+# The collectives that Inductor's micro-pipeline TP pass fuses with the GEMM reading or producing their tensor
+# (none in a torch built without torch.distributed).
+_c10d = torch.ops._c10d_functional if torch.distributed.is_available() else None
+_WAIT_TENSOR = _c10d.wait_tensor.default if _c10d else None
+_ALL_GATHERS = (_c10d.all_gather_into_tensor.default,) if _c10d else ()
+_REDUCE_SCATTERS = (_c10d.reduce_scatter_tensor.default,) if _c10d else ()
 _MAX_REGION_NODES = 24
 _PROBES = torch.cat([torch.linspace(-8.0, 8.0, 161, dtype=torch.float64),
                      torch.tensor([-30.0, -1e-3, 1e-3, 30.0], dtype=torch.float64)])
@@ -80,6 +86,26 @@ def collective_between(*nodes: fx.Node) -> fx.Node | None:
         node = node.next
         if is_collective(node):
             return node
+    return None
+
+
+def gathered_input(gemm: fx.Node) -> fx.Node | None:
+    """The all-gather whose result (waited for, seen through reshapes) is the GEMM's activation, if any."""
+    x = gemm.args[1] if gemm.target is aten.addmm.default else gemm.args[0]
+    while isinstance(x, fx.Node) and (x.target in RESHAPES or (_WAIT_TENSOR is not None and x.target is _WAIT_TENSOR)):
+        x = x.args[0]
+    return x if isinstance(x, fx.Node) and x.target in _ALL_GATHERS else None
+
+
+def reduce_scattered_output(gemm: fx.Node) -> fx.Node | None:
+    """A reduce-scatter of the GEMM's result (seen through reshapes), if there is one."""
+    todo = list(gemm.users)
+    while todo:
+        user = todo.pop()
+        if user.target in _REDUCE_SCATTERS:
+            return user
+        if user.target in RESHAPES:
+            todo.extend(user.users)
     return None
 
 

@@ -140,8 +140,8 @@ def test_the_manifest_of_each_rank_holds_its_local_shapes(ranks):
     for result in ranks:
         sites = result["manifest"]["sites"]
         assert {(s["kernel"], s["k"], s["n"], tuple(s.get("widths", ()))) for s in sites} == expected, result["rank"]
-        decode = [s for s in sites if 1 in s["m"]]
-        assert decode and all(s["dynamic_m_limit"] is not None for s in decode if s["kernel"] != "gemm_glu"), sites
+        assert {m for s in sites for m in s["m"]} == {1, tp.PREFILL_TOKENS}, sites
+        assert any(s["dynamic_m_limit"] is not None for s in sites), sites
 
 
 @pytest.mark.slow
@@ -280,3 +280,25 @@ def test_without_a_collective_in_between_the_same_graphs_fuse_whole(tmp_path):
                              tmp_path=tmp_path)
     assert sorted((s.kernel, tuple(s.prologue), tuple(s.epilogue)) for s in report.sites) == [
         ("gemm", (), ("bias", "relu")), ("gemm_glu", ("rmsnorm",), ("silu", "up_mul"))]
+
+
+@pytest.mark.parametrize("micro_pipeline_tp", [False, True])
+def test_gemms_of_an_all_gather_or_a_reduce_scatter_are_left_to_micro_pipeline_tp(micro_pipeline_tp, tmp_path):
+    """Inductor's micro-pipeline TP fuses an all-gather with the GEMM reading its result, and a GEMM with the
+    reduce-scatter of its product, after this pass: where it is on, those GEMMs are its to take."""
+
+    def sequence_parallel(x_shard, w_up, w_down):
+        x = c10d.wait_tensor.default(c10d.all_gather_into_tensor.default(x_shard, WORLD, "0"))
+        h = torch.relu(x @ w_up.t())
+        return c10d.wait_tensor.default(c10d.reduce_scatter_tensor.default(h @ w_down.t(), "sum", WORLD, "0"))
+
+    with torch._inductor.config.patch(_micro_pipeline_tp=micro_pipeline_tp):
+        before, after, report = rewritten(sequence_parallel, randn(2, 32), randn(16, 32), randn(32, 16),
+                                          tmp_path=tmp_path)
+    assert after == before
+    if not micro_pipeline_tp:
+        assert [s.runs_on for s in report.sites] == ["reference", "reference"]
+        return
+    assert [s.runs_on for s in report.sites] == ["inductor", "inductor"]
+    assert "all_gather_into_tensor" in report.sites[0].why and "reduce_scatter_tensor" in report.sites[1].why
+    assert all("micro-pipeline TP" in s.why for s in report.sites)

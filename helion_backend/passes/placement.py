@@ -6,6 +6,7 @@ import torch
 
 from .. import dispatch
 from ..norm import FUSED_DTYPES
+from ..patterns import gathered_input, reduce_scattered_output
 from ..vocabulary import dtype_name
 from .context import GemmSite, PassContext
 
@@ -38,6 +39,21 @@ def _not_worth_a_kernel(site: GemmSite, ctx: PassContext) -> str | None:
     return None
 
 
+def _left_to_async_tp(site: GemmSite) -> str | None:
+    """Why the site stays with Inductor where its micro-pipeline TP pass (``torch._inductor.config._micro_pipeline_tp``,
+    which runs after this pipeline) would overlap the GEMM with its collective: a GEMM multiplying an
+    all-gather's result, or one whose product is reduce-scattered. Fused here, it would find no such GEMM."""
+    from torch._inductor import config
+
+    if not getattr(config, "_micro_pipeline_tp", False):
+        return None
+    collective = gathered_input(site.anchor) or reduce_scattered_output(site.anchor)
+    if collective is None:
+        return None
+    return (f"left to Inductor's micro-pipeline TP (_micro_pipeline_tp), which overlaps this GEMM with "
+            f"{collective.name} ({collective.target})")
+
+
 def _norm_unfusable(site: GemmSite, max_m: int) -> str | None:
     """Why the kernels' fused norm (:mod:`helion_backend.norm`) should not run at this site, if it should not."""
     if site.dtype not in FUSED_DTYPES:
@@ -54,8 +70,9 @@ def place(site: GemmSite, ctx: PassContext, kernel: str, n: int) -> tuple[str, s
     CUDA for M up to the limit (the measured crossover of that family and shape, else
     ``max_helion_size``), the reference where asked, else Inductor. A static M up to ``max_helion_size``
     follows the config table's verdict at that M where it has one (:func:`dispatch.measured_verdict`). A site
-    that no kernel should run (:func:`_not_worth_a_kernel`) stays with Inductor whatever its M."""
-    not_worth = _not_worth_a_kernel(site, ctx)
+    that no kernel should run (:func:`_not_worth_a_kernel`), or that Inductor's micro-pipeline TP takes
+    (:func:`_left_to_async_tp`), stays with Inductor whatever its M."""
+    not_worth = _not_worth_a_kernel(site, ctx) or _left_to_async_tp(site)
     if not_worth:
         return "inductor", not_worth, 0
     limit, lowered_by = dispatch.helion_size_limit(
