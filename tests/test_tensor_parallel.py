@@ -26,7 +26,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import tensor_parallel as tp
 from helion_backend.options import BackendOptions
 from helion_backend.passes.manager import HelionPassManager
-from helpers import TOLERANCE
+from helpers import TOLERANCE, randn
 
 WORLD = 2
 TESTS_DIR = Path(__file__).resolve().parent
@@ -88,11 +88,25 @@ def case_results(ranks: list[dict]):
 # What every rank must see
 
 
-def test_sharded_models_match_the_unsharded_model(ranks):
+def assert_outputs_match(ranks: list[dict]) -> None:
     for result, case, outcome in case_results(ranks):
         tolerance = TOLERANCE[getattr(torch, result["dtype"])]
         assert len(outcome["errors"]) == len(tp.TOKEN_COUNTS[case.shape])
         assert max(outcome["errors"]) < tolerance, (result["rank"], case.name, outcome["errors"])
+
+
+def assert_collectives_untouched(ranks: list[dict]) -> None:
+    for result, case, outcome in case_results(ranks):
+        (schedule,) = outcome["schedules"]
+        reductions = len(tp.ROW_PARALLEL[case.model])
+        targets = Counter(entry.split(": ")[1] for entry in schedule["before"]["collectives"])
+        assert targets == {"_c10d_functional.all_reduce.default": reductions,
+                           "_c10d_functional.wait_tensor.default": reductions}, (result["rank"], case.name)
+        assert schedule["after"] == schedule["before"], (result["rank"], case.name)
+
+
+def test_sharded_models_match_the_unsharded_model(ranks):
+    assert_outputs_match(ranks)
 
 
 def expected_sites(case: tp.Case) -> Counter:
@@ -123,20 +137,15 @@ def test_every_rank_reports_its_sites_at_its_local_shapes(ranks):
 
 
 def test_collectives_are_neither_taken_in_nor_moved(ranks):
-    for result, case, outcome in case_results(ranks):
-        (schedule,) = outcome["schedules"]
-        reductions = len(tp.ROW_PARALLEL[case.model])
-        targets = Counter(entry.split(": ")[1] for entry in schedule["before"]["collectives"])
-        assert targets == {"_c10d_functional.all_reduce.default": reductions,
-                           "_c10d_functional.wait_tensor.default": reductions}, (result["rank"], case.name)
-        assert schedule["after"] == schedule["before"], (result["rank"], case.name)
+    assert_collectives_untouched(ranks)
 
 
 def test_the_manifest_of_each_rank_holds_its_local_shapes(ranks):
     q, kv = tp.HEADS_PER_RANK * tp.HEAD_DIM, tp.KV_HEADS_PER_RANK * tp.HEAD_DIM
     expected = {("gemm", tp.HIDDEN, tp.MLP_WIDTH_PER_RANK, ()), ("gemm", tp.MLP_WIDTH_PER_RANK, tp.HIDDEN, ()),
                 ("gemm_multi", tp.HIDDEN, q + 2 * kv, (q, kv, kv)), ("gemm", q, tp.HIDDEN, ()),
-                ("gemm_glu", tp.HIDDEN, tp.INTERMEDIATE_PER_RANK, ()), ("gemm", tp.INTERMEDIATE_PER_RANK, tp.HIDDEN, ())}
+                ("gemm_glu", tp.HIDDEN, tp.INTERMEDIATE_PER_RANK, ()),
+                ("gemm", tp.INTERMEDIATE_PER_RANK, tp.HIDDEN, ())}
     for result in ranks:
         sites = result["manifest"]["sites"]
         assert {(s["kernel"], s["k"], s["n"], tuple(s.get("widths", ()))) for s in sites} == expected, result["rank"]
@@ -148,8 +157,8 @@ def test_the_manifest_of_each_rank_holds_its_local_shapes(ranks):
 def test_every_case_including_the_dtensor_decoder_at_a_dynamic_m(tmp_path):
     """The whole matrix on the CPU (CI runs all but its slowest case)."""
     results = run_ranks(tmp_path, "cpu", tuple(tp.ALL_CASES))
-    test_sharded_models_match_the_unsharded_model(results)
-    test_collectives_are_neither_taken_in_nor_moved(results)
+    assert_outputs_match(results)
+    assert_collectives_untouched(results)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -173,10 +182,6 @@ def rewritten(fn, *args: torch.Tensor, tmp_path: Path, **options):
         {"rewrite_on_cpu": True, "cache_dir": str(tmp_path), "rmsnorm_prologue_max_m": 64, **options}))
     manager(graph)
     return before, tp.collective_schedule(graph), manager.reports[-1]
-
-
-def randn(*shape: int) -> torch.Tensor:
-    return torch.randn(*shape)
 
 
 def test_an_epilogue_after_an_unrelated_collective_is_left_out(tmp_path):
