@@ -76,9 +76,10 @@ def collective_between(*nodes: fx.Node) -> fx.Node | None:
     """The first collective after the earliest of ``nodes`` and up to the latest, in graph order, if any.
 
     A fused op runs where the graph placed one node of its site (the rewrite inserts it before the site's
-    result), so the work of every other node it replaces moves there. Every rank must issue its collectives
-    in one order, and Inductor (with its micro-pipeline TP pass) schedules GEMMs against them: a site whose
-    nodes lie on both sides of a collective is not formed, whatever the dataflow allows.
+    result), so the work of every other node it replaces moves there. Functional collectives are pure, so
+    such a move keeps the values, but not the order in which the program issues communication and compute,
+    which Inductor's comm/compute overlap and micro-pipeline TP passes schedule from: a site whose nodes lie on
+    both sides of a collective is not formed.
     """
     first, last = min(nodes, key=_order), max(nodes, key=_order)
     node = first
