@@ -21,7 +21,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .epilogue import ACTIVATION_FORMULAS
 from .passes.context import Step
-from .vocabulary import SUPPORTED_DTYPES, Operand
+from .vocabulary import COLLECTIVE_NAMESPACES, SUPPORTED_DTYPES, Operand
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -35,6 +35,12 @@ _REGION_OPS = frozenset({
 _CASTS = frozenset({prims.convert_element_type.default})
 # The ops that reshape without moving data, as they appear post-grad (F.linear's [B*S, K] views among them).
 RESHAPES = frozenset({aten.reshape.default, aten.view.default, aten._unsafe_view.default})
+# The collectives that Inductor's micro-pipeline TP pass fuses with the GEMM reading or producing their tensor
+# (none in a torch built without torch.distributed).
+_c10d = torch.ops._c10d_functional if torch.distributed.is_available() else None
+_WAIT_TENSOR = _c10d.wait_tensor.default if _c10d else None
+_ALL_GATHERS = (_c10d.all_gather_into_tensor.default,) if _c10d else ()
+_REDUCE_SCATTERS = (_c10d.reduce_scatter_tensor.default,) if _c10d else ()
 _MAX_REGION_NODES = 24
 _PROBES = torch.cat([torch.linspace(-8.0, 8.0, 161, dtype=torch.float64),
                      torch.tensor([-30.0, -1e-3, 1e-3, 30.0], dtype=torch.float64)])
@@ -57,6 +63,51 @@ def activation_identity(node: fx.Node) -> tuple:
 
 def same_shape(a: Sequence, b: Sequence) -> bool:
     return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
+
+
+def is_collective(node: fx.Node) -> bool:
+    """A torch.distributed collective or its wait (:data:`~helion_backend.vocabulary.COLLECTIVE_NAMESPACES`)."""
+    target = node.target
+    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+            and target.namespace in COLLECTIVE_NAMESPACES)
+
+
+def collective_between(*nodes: fx.Node) -> fx.Node | None:
+    """The first collective after the earliest of ``nodes`` and up to the latest, in graph order, if any.
+
+    A fused op runs where the graph placed one node of its site (the rewrite inserts it before the site's
+    result), so the work of every other node it replaces moves there. Functional collectives are pure, so
+    such a move keeps the values, but not the order in which the program issues communication and compute,
+    which Inductor's comm/compute overlap and micro-pipeline TP passes schedule from: a site whose nodes lie on
+    both sides of a collective is not formed.
+    """
+    first, last = min(nodes, key=_order), max(nodes, key=_order)
+    node = first
+    while node is not last:
+        node = node.next
+        if is_collective(node):
+            return node
+    return None
+
+
+def gathered_input(gemm: fx.Node) -> fx.Node | None:
+    """The all-gather whose result (waited for, seen through reshapes) is the GEMM's activation, if any."""
+    x = gemm.args[1] if gemm.target is aten.addmm.default else gemm.args[0]
+    while isinstance(x, fx.Node) and (x.target in RESHAPES or (_WAIT_TENSOR is not None and x.target is _WAIT_TENSOR)):
+        x = x.args[0]
+    return x if isinstance(x, fx.Node) and x.target in _ALL_GATHERS else None
+
+
+def reduce_scattered_output(gemm: fx.Node) -> fx.Node | None:
+    """A reduce-scatter of the GEMM's result (seen through reshapes), if there is one."""
+    todo = list(gemm.users)
+    while todo:
+        user = todo.pop()
+        if user.target in _REDUCE_SCATTERS:
+            return user
+        if user.target in RESHAPES:
+            todo.extend(user.users)
+    return None
 
 
 def is_float_cast(node: fx.Node) -> bool:

@@ -208,3 +208,10 @@ EVIDENCE_NEAREST = "nearest"  # the same (K, N) at the tuned Ms on either side o
 EVIDENCE_PREDICTED = "predicted"  # the tuned shapes of the family close to (K, N)
 EVIDENCE_NONE = "none"  # nothing close enough was measured
 EVIDENCE = (EVIDENCE_EXACT, EVIDENCE_CALIBRATED, EVIDENCE_NEAREST, EVIDENCE_PREDICTED, EVIDENCE_NONE)
+# torch.distributed in a post-grad graph (tensor parallelism): the op namespaces of collectives and their
+# waits, functional (``torch.distributed._functional_collectives``, DTensor's redistributions) or not, and of
+# the fused collective matmuls Inductor's micro-pipeline TP pass makes. A site never takes one in, and never
+# moves a GEMM or its epilogue past one (``patterns.collective_between``).
+COLLECTIVE_NAMESPACES = frozenset({
+    "_c10d_functional", "_c10d_functional_autograd", "c10d_functional", "c10d", "_dtensor", "symm_mem",
+})

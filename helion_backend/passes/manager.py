@@ -17,7 +17,6 @@ import math
 from pathlib import Path
 
 import sympy
-import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 

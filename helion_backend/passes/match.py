@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import torch.fx as fx
+
 from ..norm_patterns import find_rmsnorm
-from ..patterns import next_step, val
+from ..patterns import collective_between, next_step, val
 from ..quant_patterns import activation_quant, activation_quant_problem
 from ..rules import Rule
 from ..vocabulary import (
@@ -53,6 +55,8 @@ def fuse_rmsnorm(site: GemmSite) -> None:
     found = find_rmsnorm(site.x, site.k, site.dtype)
     if isinstance(found, str):
         site.notes.append(f"RMSNorm not fused: {found}")
+    elif found is not None and (collective := collective_between(*found.nodes, site.anchor)) is not None:
+        site.notes.append(f"RMSNorm not fused: {collective_note(collective)} and the GEMM")
     elif found is not None:
         site.fuse_prologue(Step(RMSNORM, list(found.nodes), operand=found.weight, scalar=found.spec.eps),
                            x=found.x, rms_norm=found)
@@ -76,6 +80,10 @@ def _fuse_activation_quant(site: GemmSite, fuse: bool) -> None:
                               "activation")
         return
     name = ACTIVATION_QUANT_STEPS[found.program.quant_dtype]
+    collective = collective_between(*found.nodes, site.anchor)
+    if collective is not None:
+        site.notes.append(f"activation quantization ({name}) not fused: {collective_note(collective)} and the GEMM")
+        return
     if not fuse:
         site.notes.append(f"activation quantization ({name}) left to Inductor, which fuses it with the op producing "
                           "the activation; option fuse_activation_quant fuses it into the kernel")
@@ -89,16 +97,28 @@ def _fuse_activation_quant(site: GemmSite, fuse: bool) -> None:
 
 
 def _follow(site: GemmSite) -> list[Step]:
-    """Recognized steps after the anchor, in order, until one is not in the vocabulary."""
+    """Recognized steps after the anchor, in order, until one is not in the vocabulary or comes after a
+    collective that comes after the GEMM (the fused op, placed at the last step, would move the GEMM past it)."""
     steps: list[Step] = []
     value = site.leading_steps[-1].out if site.leading_steps else site.anchor
+    checked = site.anchor
     while len(steps) < _MAX_CHAIN:
         step = next_step(value, site.n)
         if step is None or val(step.out) is None:
             break
+        collective = collective_between(checked, step.out)
+        if collective is not None:
+            site.notes.append(f"epilogue stops before {step.out.name}: {collective_note(collective)} and the GEMM")
+            break
         steps.append(step)
-        value = step.out
+        value = checked = step.out
     return steps
+
+
+def collective_note(collective: fx.Node) -> str:
+    """Why a site leaves out what lies on the other side of ``collective`` (the note goes on: "and ...")."""
+    return (f"a fused op never moves work past a collective, and {collective.name} ({collective.target}) "
+            "runs between it")
 
 
 def choose_rule(site: GemmSite, rules: Sequence[Rule]) -> None:

@@ -12,6 +12,7 @@ from .. import dispatch
 from ..policy import NO_EVIDENCE, Decision
 from ..norm import FUSED_DTYPES
 from ..options import DEFAULT_NUM_TOKENS, UNTUNED_HELION, BackendOptions
+from ..patterns import gathered_input, reduce_scattered_output
 from ..vocabulary import EVIDENCE_NONE, dtype_name
 from .context import GemmSite, PassContext
 from .provenance import model_location
@@ -54,6 +55,21 @@ def _not_worth_a_kernel(site: GemmSite, ctx: PassContext) -> str | None:
     return None
 
 
+def _left_to_async_tp(site: GemmSite) -> str | None:
+    """Why the site stays with Inductor where its micro-pipeline TP pass (``torch._inductor.config._micro_pipeline_tp``,
+    which runs after this pipeline) would overlap the GEMM with its collective: a GEMM multiplying an
+    all-gather's result, or one whose product is reduce-scattered. Fused here, it would find no such GEMM."""
+    from torch._inductor import config
+
+    if not getattr(config, "_micro_pipeline_tp", False):
+        return None
+    collective = gathered_input(site.anchor) or reduce_scattered_output(site.anchor)
+    if collective is None:
+        return None
+    return (f"left to Inductor's micro-pipeline TP (_micro_pipeline_tp), which overlaps this GEMM with "
+            f"{collective.name} ({collective.target})")
+
+
 def _norm_unfusable(site: GemmSite, max_m: int) -> str | None:
     """Why the kernels' fused norm (:mod:`helion_backend.norm`) should not run at this site, if it should not."""
     if site.dtype not in FUSED_DTYPES:
@@ -82,9 +98,10 @@ def place(site: GemmSite, ctx: PassContext, kernel: str, n: int) -> Placement:
     ``max_helion_size`` where the config tables measured Helion faster at the key or close enough to it
     (:mod:`helion_backend.policy`), else Inductor (or, for keys nothing close was measured at,
     as option ``untuned_sites`` says); the reference where Helion cannot run or on request off CUDA. A site
-    that no kernel should run (:func:`_not_worth_a_kernel`) stays with Inductor whatever its M."""
+    that no kernel should run (:func:`_not_worth_a_kernel`), or that Inductor's micro-pipeline TP takes
+    (:func:`_left_to_async_tp`), stays with Inductor whatever its M."""
     options = ctx.options
-    not_worth = _not_worth_a_kernel(site, ctx)
+    not_worth = _not_worth_a_kernel(site, ctx) or _left_to_async_tp(site)
     if not_worth:
         return Placement("inductor", not_worth, 0)
     if site.device.type != "cuda":

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..patterns import activation_identity, val
+from ..patterns import activation_identity, collective_between, val
 from ..quant_patterns import quantized_rows, rows_without_scale
 from ..vocabulary import MULTI_GEMM_FAMILIES, MULTI_GEMM_SLOTS, QUANT_DTYPES, RMSNORM
 from .context import GemmSite, PassContext, SiteGroup, token_scale, with_token_scale
+from .match import collective_note
 from .placement import place
 
 
@@ -97,9 +98,11 @@ def _group(sites: list[GemmSite], ctx: PassContext, position: dict[fx.Node, int]
     if leader.dtype in QUANT_DTYPES.values():
         _read_the_leaders_rows(sites)
     late = _operand_after_a_result(sites, position)
+    if late is None:
+        late = _collective_among(sites)
     placed = place(leader, ctx, family, sum(s.n for s in sites)) if late is None else None
     if placed is None or placed.runs_on == "inductor":
-        why = f"{late} is computed after one of their results" if placed is None else placed.why
+        why = late if placed is None else placed.why
         for site, chain in zip(sites, chains):
             site.chain = chain
             site.notes.append(f"not in one launch with {_names(sites, site)}: {why}")
@@ -123,14 +126,22 @@ def _read_the_leaders_rows(sites: list[GemmSite]) -> None:
 
 
 def _operand_after_a_result(sites: list[GemmSite], position: dict[fx.Node, int]) -> str | None:
-    """The name of an input of the group's op that the graph computes after the first of its sites'
-    results (the op replaces them all, so it must come before each), else None."""
+    """Why the group's op cannot come before the first of its sites' results (it replaces them all, so it must
+    come before each) where the graph computes one of its inputs after that result, else None."""
     first_result = min(position[s.output] for s in sites)
     inputs = [sites[0].x] + [s.weight for s in sites]  # the op reads the first site's x (the others' are views of it)
     inputs += [step.operand for s in sites for step in s.steps if step.operand is not None]
     inputs += [s.rms_norm.weight for s in sites if s.rms_norm is not None]
     late = [node for node in inputs if position[node] >= first_result]
-    return late[0].name if late else None
+    return f"{late[0].name} is computed after one of their results" if late else None
+
+
+def _collective_among(sites: list[GemmSite]) -> str | None:
+    """Why the sites cannot share one op where a collective runs among their GEMMs, epilogues and prologues
+    (the op would move some of them past it), else None."""
+    nodes = [node for s in sites for node in (s.anchor, s.output, *(n for step in s.prologue for n in step.nodes))]
+    collective = collective_between(*nodes)
+    return f"{collective_note(collective)} and some of them" if collective is not None else None
 
 
 def _names(sites: list[GemmSite], site: GemmSite) -> str:

@@ -27,11 +27,11 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..patterns import RESHAPES, activation_identity
+from ..patterns import RESHAPES, activation_identity, collective_between
 from ..quant_patterns import quantized_rows, rows_without_scale
 from ..vocabulary import ACTIVATIONS, GLU_FAMILIES, QUANT_DTYPES, RMSNORM, SUPPORTED_DTYPES, dtype_name
 from .context import GemmSite, PassContext, Step, token_scale, with_token_scale
-from .match import choose_rule, follow_chain
+from .match import choose_rule, collective_note, follow_chain
 
 aten = torch.ops.aten
 # A quantized projection's own steps before what the rest of the graph reads of it: its rescaling and casts.
@@ -103,6 +103,9 @@ def _up_projection(site: GemmSite, steps: list[tuple[int, Step]],
         return None
     if up.dtype != site.dtype:
         return f"the up projection {up.anchor.name} multiplies {dtype_name(up.dtype)}, the gate {dtype_name(site.dtype)}"
+    collective = collective_between(up.anchor, mul.out)
+    if collective is not None:
+        return f"{collective_note(collective)} and the up projection {up.anchor.name}"
     if _quantized(site):
         return _same_quantized_rows(site, index, up, own)
     if not activation_identity(_gemm_input(up)) == activation_identity(_gemm_input(site)):
