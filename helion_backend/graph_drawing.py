@@ -122,14 +122,20 @@ class Picture:
             (directory / DOT_FILE).write_text(self.dot)
 
 
+def graphviz_dot() -> str | None:
+    """Graphviz's ``dot`` program, if it is on PATH."""
+    return shutil.which("dot")
+
+
 def drawing_available() -> bool:
     """Whether pydot imports and Graphviz's ``dot`` is on PATH."""
-    return importlib.util.find_spec("pydot") is not None and shutil.which("dot") is not None
+    return importlib.util.find_spec("pydot") is not None and graphviz_dot() is not None
 
 
 def draw(sketch: GraphSketch, ctx: PassContext) -> Picture:
     """The picture of ``sketch`` with the sites ``ctx`` holds boxed, or the note saying how to get it."""
-    if not drawing_available():
+    dot = graphviz_dot()
+    if dot is None or importlib.util.find_spec("pydot") is None:
         return Picture(note=INSTALL_HINT)
     source = to_dot(sketch, site_regions(ctx, sketch), title=f"{ctx.report.graph} ({ctx.report.kind}) before the rewrite")
     render = f"dot -Tsvg {DOT_FILE} -o {PICTURE_FILE}"
@@ -137,7 +143,7 @@ def draw(sketch: GraphSketch, ctx: PassContext) -> Picture:
         return Picture(note=f"{DOT_FILE} ({len(sketch.nodes)} nodes, not laid out at compile time: {render})",
                        dot=source)
     try:
-        svg = subprocess.run([shutil.which("dot") or "dot", "-Tsvg"], input=source.encode(), capture_output=True,
+        svg = subprocess.run([dot, "-Tsvg"], input=source.encode(), capture_output=True,
                              timeout=DOT_TIMEOUT_S, check=True).stdout
     except subprocess.TimeoutExpired:
         return Picture(note=f"{DOT_FILE} (dot took over {DOT_TIMEOUT_S:g} s: {render})", dot=source)
@@ -262,11 +268,11 @@ def _sketch(node: fx.Node) -> NodeSketch:
     value = _value_text(node.meta.get("val"))
     if node.op == "call_function":
         what = _target_name(node.target)
-    elif node.op in ("placeholder", "output"):
-        what = node.op
+    elif node.op == "placeholder":  # drawn as an ellipse: its name and value say enough
+        what = ""
     else:
-        what = f"{node.op} {node.target}"
-    label = "\\n".join(part for part in (node.name, what, value) if part)
+        what = f"{node.op} {node.target}" if node.op != "output" else ""
+    label = "\\n".join(dict.fromkeys(part for part in (node.name, what, value) if part))
     return NodeSketch(node.name, node.op, label, node.format_node() or node.name,
                       tuple(arg.name for arg in node.all_input_nodes),
                       private_view=node.target in _VIEWS and len(node.users) == 1)
