@@ -137,7 +137,8 @@ def draw(sketch: GraphSketch, ctx: PassContext) -> Picture:
     dot = graphviz_dot()
     if dot is None or importlib.util.find_spec("pydot") is None:
         return Picture(note=INSTALL_HINT)
-    source = to_dot(sketch, site_regions(ctx, sketch), title=f"{ctx.report.graph} ({ctx.report.kind}) before the rewrite")
+    title = f"{ctx.report.graph} ({ctx.report.kind}) before the rewrite"
+    source = to_dot(sketch, site_regions(ctx, sketch), title=title)
     render = f"dot -Tsvg {DOT_FILE} -o {PICTURE_FILE}"
     if len(sketch.nodes) > MAX_LAID_OUT_NODES:
         return Picture(note=f"{DOT_FILE} ({len(sketch.nodes)} nodes, not laid out at compile time: {render})",

@@ -16,8 +16,9 @@ from helpers import CPU_REWRITE, compile_run, randn, rel_err
 from helion_backend import graph_drawing
 
 SVG = "{http://www.w3.org/2000/svg}"
-needs_graphviz = pytest.mark.skipif(not graph_drawing.drawing_available(),
-                                    reason="needs pydot and Graphviz's dot (pip install pydot; apt-get install graphviz)")
+needs_graphviz = pytest.mark.skipif(
+    not graph_drawing.drawing_available(),
+    reason="needs pydot and Graphviz's dot (pip install pydot; apt-get install graphviz)")
 
 
 def model(x, w1, b1, wq, wk, wv, ints, w_ints, short, w_short):
