@@ -209,6 +209,7 @@ def _saved_state(manager: HelionPassManager, gm: torch.fx.GraphModule,
         return None
     for report in served:
         report.from_cache = True
+        report.picture = None  # the pipeline drew nothing this time: the picture is in the filling compile's dumps
         reports.record(report)
     return state
 
