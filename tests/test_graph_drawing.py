@@ -21,18 +21,21 @@ needs_graphviz = pytest.mark.skipif(
     reason="needs pydot and Graphviz's dot (pip install pydot; apt-get install graphviz)")
 
 
-def model(x, w1, b1, wq, wk, wv, ints, w_ints, short, w_short):
+def model(x, w1, b1, wq, wk, wv, ints, w_ints, short, w_short, h, w_gate, w_up):
     """One site of each kind: a bias + SiLU linear (the reference on CPU), three projections of its result in
-    one launch, an int32 mm that no rule takes, and a K=4 GEMM left to Inductor (too short for a kernel)."""
+    one launch, an int32 mm that no rule takes, a K=4 GEMM left to Inductor (too short for a kernel), and a
+    gated MLP (its up projection runs in the gate's kernel)."""
     y = F.silu(F.linear(x, w1, b1))
     q, k, v = F.linear(y, wq), F.linear(y, wk), F.linear(y, wv)
-    return q, k, v, torch.mm(ints, w_ints), torch.relu(short @ w_short)
+    gated = F.silu(F.linear(h, w_gate)) * F.linear(h, w_up)
+    return q, k, v, torch.mm(ints, w_ints), torch.relu(short @ w_short), gated
 
 
 def inputs():
     ints = torch.randint(-4, 4, (4, 8), dtype=torch.int32)
     return (randn(4, 32), randn(48, 32), randn(48), randn(16, 48), randn(8, 48), randn(8, 48), ints,
-            torch.randint(-4, 4, (8, 8), dtype=torch.int32), randn(4, 4), randn(4, 24))
+            torch.randint(-4, 4, (8, 8), dtype=torch.int32), randn(4, 4), randn(4, 24), randn(4, 32), randn(64, 32),
+            randn(64, 32))
 
 
 def boxes(svg: Path) -> dict[str, tuple[str, tuple[float, float, float, float]]]:
@@ -91,6 +94,10 @@ def test_the_picture_boxes_each_site_with_its_kernel_and_where_it_runs(tmp_path,
     centres = node_centres(svg)
     assert inside(centres[activation.anchor], box)
     assert inside(centres[unfused.node], unfused_box)
+    gated = next(s for s in report.sites if "up_mul" in s.epilogue)
+    (up,) = [note.split()[3] for note in gated.notes if note.startswith("the up projection")]
+    _, gated_box = found[f"[{gated.rule}] {gated.anchor}: mm -> silu -> up_mul"]
+    assert inside(centres[gated.anchor], gated_box) and inside(centres[up], gated_box)
     for site in projections:  # each projection's own box, inside the launch's
         _, own = found[f"[{site.rule}] {site.anchor}: mm"]
         assert inside(centres[site.anchor], own) and inside(centres[site.anchor], launch)
