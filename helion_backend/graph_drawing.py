@@ -183,7 +183,7 @@ def to_dot(sketch: GraphSketch, regions: Sequence[Region], title: str) -> str:
     """The DOT source of the picture (each node drawn once: in the first box that claims it)."""
     import pydot
 
-    graph = pydot.Dot("fused_sites", graph_type="digraph", rankdir="TB", newrank="true", compound="true",
+    graph = pydot.Dot("fused_sites", graph_type="digraph", rankdir="TB", newrank="true",
                       fontname="Helvetica", fontsize="12", labelloc="t", labeljust="l",
                       label=_title_label(title), nodesep="0.2", ranksep="0.3",
                       # One pass of network simplex per node for the x positions: without the limit, a decoder's
