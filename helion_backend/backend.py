@@ -214,6 +214,7 @@ def _saved_state(manager: HelionPassManager, gm: torch.fx.GraphModule,
         return None
     for (report, _), dump in zip(state["graphs"], state["dumps"]):
         report.from_cache = True
+        report.picture = None  # the pipeline drew nothing this time: the picture is in the filling compile's dumps
         reports.record(report)
         if opts.debug_dir:
             _replay_dump(Path(opts.debug_dir) / report.graph, report, dump)

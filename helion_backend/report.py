@@ -115,6 +115,8 @@ class GraphReport:
     attention: list[AttentionReport] = field(default_factory=list)
     # Keys of this graph's Helion sites autotuned before its first run (option autotune_missing), and how.
     autotuned: list[str] = field(default_factory=list)
+    # With dumps on: the picture of the graph with its sites boxed, or how to get one (graph_drawing.py).
+    picture: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -130,6 +132,7 @@ class GraphReport:
             unfused_gemms=[UnfusedGemm(**u) for u in data.get("unfused_gemms", [])],
             attention=[AttentionReport(**a) for a in data.get("attention", [])],
             autotuned=list(data.get("autotuned", [])),
+            picture=data.get("picture"),
         )
 
     def runs_on_counts(self) -> dict[str, int]:
@@ -162,6 +165,8 @@ class GraphReport:
             lines.extend(f"      fallback: {event}" for event in a.fallbacks)
             lines.extend(f"      verified: {event}" for event in a.verified)
         lines.extend(f"  autotuned at compile time: {key}" for key in self.autotuned)
+        if self.picture:
+            lines.append(f"  picture: {self.picture}")
         return "\n".join(lines)
 
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from helpers import compile_run, randn, rel_err, sites
 
 import helion_backend
+from helion_backend import graph_drawing
 from helion_backend.options import BackendOptions
 from helion_backend.passes.manager import HelionPassManager, package_digest, source_digest
 from helion_backend.report import GraphReport
@@ -237,7 +238,8 @@ def test_debug_dir_dumps(tmp_path):
     fn = lambda x, w, b: F.silu(F.linear(x, w, b))  # noqa: E731
     compile_run(fn, x, w, b, options={"rewrite_on_cpu": True, "debug_dir": str(tmp_path)})
     (graph_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
-    assert {p.name for p in graph_dir.iterdir()} == {"before.py", "after.py", "summary.txt", "report.json"}
+    picture = {graph_drawing.PICTURE_FILE} if graph_drawing.drawing_available() else set()
+    assert {p.name for p in graph_dir.iterdir()} == {"before.py", "after.py", "summary.txt", "report.json", *picture}
     report = json.loads((graph_dir / "report.json").read_text())
     assert report["sites"][0]["epilogue"] == ["bias", "silu"]
     assert set(report["sites"][0]) >= {"rule", "anchor", "anchor_op", "prologue", "epilogue", "kernel",
@@ -263,6 +265,9 @@ def test_debug_env_vars(tmp_path):
     assert list((tmp_path / "dumps").glob("*/report.json"))
     inductor_copies = list((tmp_path / "tcd").rglob("helion_inductor/report.json"))
     assert inductor_copies, sorted(str(p) for p in Path(tmp_path / "tcd").rglob("*"))[:40]
+    # The picture, or how to get it, in both folders.
+    for report in [*inductor_copies, *(tmp_path / "dumps").glob("*/report.json")]:
+        assert "  picture: " in report.with_name("summary.txt").read_text()
 
 
 def test_a_failing_analysis_pass_leaves_the_graph_to_inductor(monkeypatch, caplog):

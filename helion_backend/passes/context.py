@@ -87,6 +87,7 @@ class GemmSite:
     # A gated MLP's up projection, multiplied in by the ``up_mul`` step: its weight as stored, and layout.
     up_weight: fx.Node | None = None
     up_layout: str = "nk"
+    up_anchor: fx.Node | None = None  # the up projection's GEMM node (for the report's picture)
     # The up projection's own steps before the product (on quantized rows: its token and channel scales).
     up_steps: list[Step] = field(default_factory=list)
     # What fusing the prologue changed (attribute -> old value): undone when no rule takes it.

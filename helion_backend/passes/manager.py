@@ -21,6 +21,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .. import __version__, dispatch, logs
+from ..graph_drawing import GraphSketch, Picture, draw
 from ..manifest import ManifestSite, record_sites
 from ..options import BackendOptions
 from ..report import AttentionReport, GraphReport, SiteReport, UnfusedGemm, dim_for_report, record, write_dump
@@ -86,6 +87,7 @@ class HelionPassManager(CustomGraphPass):
         dump_dirs = self._dump_dirs(report)
         graph_text = bool(dump_dirs) or logs.wants_graph_text()
         before = _readable(graph) if graph_text else ""
+        sketch = GraphSketch.of(graph) if dump_dirs else None
         ctx = PassContext(graph=graph, options=self.options, rules=self.rules, report=report, tf32=self.tf32)
         try:
             for stage in ANALYSIS:
@@ -99,6 +101,8 @@ class HelionPassManager(CustomGraphPass):
         for stage in TRANSFORMS:
             stage.run(ctx)
         _fill_report(ctx)
+        picture = _picture(sketch, ctx) if sketch is not None else None
+        report.picture = picture.note if picture is not None else None
         helion_sites = _helion_sites(ctx)
         record_sites(Path(self.options.manifest_path), helion_sites)
         self.dynamic_sites.extend(
@@ -113,6 +117,7 @@ class HelionPassManager(CustomGraphPass):
         record(report)
         for directory in dump_dirs:
             write_dump(directory, report, before, after)
+            picture.write(directory)
         logs.publish(report, before, after)
 
     def _dump_dirs(self, report: GraphReport) -> list[Path]:
@@ -209,6 +214,15 @@ def _mask_description(site: AttentionSite) -> str:
     if site.mask_kind == "bool" and math.isfinite(site.masked_bias):
         return f"bool (masked positions add {site.masked_bias:g})"
     return site.mask_kind
+
+
+def _picture(sketch: GraphSketch, ctx: PassContext) -> Picture:
+    """The graph's picture for its dumps; a failure to draw costs the picture, never the compile."""
+    try:
+        return draw(sketch, ctx)
+    except Exception as e:
+        log.warning("helion_inductor: cannot draw %s: %s", ctx.report.graph, e, exc_info=True)
+        return Picture(note=f"not drawn ({type(e).__name__}: {e})")
 
 
 def _readable(graph: fx.Graph) -> str:

@@ -66,6 +66,7 @@ def _try_gated(site: GemmSite, plain: Results, ctx: PassContext) -> None:
         mul = site.chain[i]
         site.chain = [*site.chain[:i], Step("up_mul", mul.nodes), *site.chain[i + 1:]]
         site.up_weight, site.up_layout, site.up_steps = up.weight, up.weight_layout, own
+        site.up_anchor = up.anchor
         choose_rule(site, ctx.rules)  # drops the norm, with a note, where the gated rule takes no prologue
         if site.rule is not None and site.rule.kernel in GLU_FAMILIES:
             ctx.sites.remove(up)
