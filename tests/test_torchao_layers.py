@@ -51,6 +51,19 @@ def quantized_mlp(config, dtype: torch.dtype, device: str = "cpu") -> MLP:
     return model
 
 
+@pytest.fixture(autouse=True)
+def restore_inductor_config(monkeypatch):
+    """torchao's configs set Inductor options process-wide when applied (``set_inductor_config=True``, their
+    default: coordinate-descent tuning among them); the tests keep that default, as users get it, and put
+    the options back afterwards."""
+    from torch._inductor import config
+
+    for name in ("coordinate_descent_tuning", "coordinate_descent_check_all_directions", "force_fuse_int_mm_with_mul",
+                 "fx_graph_cache"):
+        monkeypatch.setattr(config, name, getattr(config, name))
+    monkeypatch.setattr(config.triton, "unique_kernel_names", config.triton.unique_kernel_names)
+
+
 def fp8_per_row():
     """torchao's fp8 dynamic per-token activation / per-channel weight layer, through ``torch._scaled_mm``
     (``KernelPreference.TORCH``; AUTO would pick an MSLK kernel where that package is installed)."""
