@@ -197,8 +197,19 @@ def _other_arg(value: fx.Node, node: fx.Node) -> object:
     return None
 
 
+def _broadcast_source(other: object, value: fx.Node, n: int) -> object:
+    """The tensor that ``other`` expands to the value's shape, where it is a row, a column or one element
+    (torchao's int8 CUDA path multiplies by ``scale.expand(M, N)``): the step reads it as broadcast, the
+    same values; else ``other``."""
+    if not isinstance(other, fx.Node) or other.target is not aten.expand.default:
+        return other
+    source = other.args[0]
+    kind = operand_kind(source, val(value), n)
+    return source if kind in (Operand.ROW, Operand.COL, Operand.ELEMENT) else other
+
+
 def _add_step(value: fx.Node, node: fx.Node, n: int) -> Step | None:
-    other = _other_arg(value, node)
+    other = _broadcast_source(_other_arg(value, node), value, n)
     kind = operand_kind(other, val(value), n)
     if kind is Operand.ROW:
         return Step("bias", [node], operand=other)
@@ -212,7 +223,7 @@ _MUL_STEPS = {Operand.FULL: "mul", Operand.ROW: "channel_scale", Operand.COL: "t
 
 
 def _mul_step(value: fx.Node, node: fx.Node, n: int) -> Step | None:
-    other = _other_arg(value, node)
+    other = _broadcast_source(_other_arg(value, node), value, n)
     if isinstance(other, numbers.Real) and not isinstance(other, bool) and math.isfinite(other):
         return Step("scale", [node], scalar=float(other))
     kind = operand_kind(other, val(value), n)

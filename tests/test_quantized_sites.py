@@ -849,3 +849,38 @@ def test_vllm_native_fp8_forms_fuse_and_match_eager(kernel, fused):
     left = [f"activation quantization (quant_fp8_per_token) {LEFT_TO_INDUCTOR}" in note for note in site.notes]
     assert left == ([True] if per_token and not fused else []), site.notes
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def torchao_int8_cuda_form(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
+                           bias: torch.Tensor) -> torch.Tensor:
+    """torchao 0.18's W8A8 linear as it runs on CUDA (``int_scaled_matmul`` without its Triton autotuner):
+    ``_int_mm`` times the token scale expanded to [M, N], in the int32 result's promotion to fp32, cast to
+    the model's dtype, then the channel scale and the bias. Its symmetric scale is max(-min(x), max(x)) / 127.5."""
+    zero = torch.zeros((), dtype=x.dtype)
+    absmax = torch.maximum(-torch.minimum(x.amin(-1, keepdim=True), zero), torch.maximum(x.amax(-1, keepdim=True), zero))
+    scale = (absmax / 127.5).float().clamp(min=torch.finfo(torch.float32).eps).to(x.dtype).float()
+    xq = (x * scale.reciprocal()).round().clamp(-128, 127).to(torch.int8)
+    m, n = x.shape[0], qweight.shape[0]
+    y = (torch._int_mm(xq, qweight.t()) * scale.expand(m, n)).to(x.dtype)
+    return y * w_scale + bias
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torchao_int8_cuda_form_fuses_and_matches_eager(dtype):
+    """The token scale multiplies the int32 result with no cast before it, and through an expand: the same
+    site as the CPU form (``token_scale`` reads the [M, 1] scale)."""
+    torch.manual_seed(21)
+    layer = Int8DynamicLinear.from_linear(nn.Linear(256, 64).to(dtype))
+    x = torch.randn(17, 256, dtype=dtype)
+    args = (layer.qweight, layer.weight_scale, layer.bias)
+    out, reports = compile_run(lambda v: F.gelu(torchao_int8_cuda_form(v, *args), approximate="tanh"), x)
+    (site,) = sites(reports)
+    assert (site.kernel, site.prologue) == ("gemm_int8", []), site
+    assert site.epilogue[:3] == ["token_scale", "cast", "channel_scale"] or (
+        dtype == torch.float32 and site.epilogue[:2] == ["token_scale", "channel_scale"]), site.epilogue
+    assert site.epilogue[-1] == "gelu_tanh", site.epilogue
+    expected = F.gelu(torchao_int8_cuda_form(x, *args), approximate="tanh")
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    else:
+        assert sqnr_db(expected, out) >= 40
