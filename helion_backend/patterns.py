@@ -197,19 +197,20 @@ def _other_arg(value: fx.Node, node: fx.Node) -> object:
     return None
 
 
-def _broadcast_source(other: object, value: fx.Node, n: int) -> object:
-    """The tensor that ``other`` expands to the value's shape, where it is a row, a column or one element
-    (torchao's int8 CUDA path multiplies by ``scale.expand(M, N)``): the step reads it as broadcast, the
-    same values; else ``other``."""
-    if not isinstance(other, fx.Node) or other.target is not aten.expand.default:
+def _integer_product_scale(other: object, value: fx.Node, n: int) -> object:
+    """What an integer GEMM product is rescaled by: ``t`` where ``other`` is ``t.expand(M, N)`` of a column, a
+    row or one element (torchao's int8 CUDA path multiplies ``_int_mm``'s result by ``scale.expand(M, N)``),
+    read broadcast, the same values; else ``other``. Float products keep such an operand whole: their rules
+    take a full-shape ``mul`` where they take no per-token scale."""
+    if (not isinstance(other, fx.Node) or other.target is not aten.expand.default
+            or getattr(val(value), "dtype", None) != torch.int32):
         return other
     source = other.args[0]
-    kind = operand_kind(source, val(value), n)
-    return source if kind in (Operand.ROW, Operand.COL, Operand.ELEMENT) else other
+    return source if operand_kind(source, val(value), n) in (Operand.ROW, Operand.COL, Operand.ELEMENT) else other
 
 
 def _add_step(value: fx.Node, node: fx.Node, n: int) -> Step | None:
-    other = _broadcast_source(_other_arg(value, node), value, n)
+    other = _other_arg(value, node)
     kind = operand_kind(other, val(value), n)
     if kind is Operand.ROW:
         return Step("bias", [node], operand=other)
@@ -223,7 +224,7 @@ _MUL_STEPS = {Operand.FULL: "mul", Operand.ROW: "channel_scale", Operand.COL: "t
 
 
 def _mul_step(value: fx.Node, node: fx.Node, n: int) -> Step | None:
-    other = _broadcast_source(_other_arg(value, node), value, n)
+    other = _integer_product_scale(_other_arg(value, node), value, n)
     if isinstance(other, numbers.Real) and not isinstance(other, bool) and math.isfinite(other):
         return Step("scale", [node], scalar=float(other))
     kind = operand_kind(other, val(value), n)
