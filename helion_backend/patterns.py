@@ -248,6 +248,18 @@ def _other_arg(value: fx.Node, node: fx.Node) -> object:
     return None
 
 
+def _integer_product_scale(other: object, value: fx.Node, n: int) -> object:
+    """What an integer GEMM product is rescaled by: ``t`` where ``other`` is ``t.expand(M, N)`` of a column, a
+    row or one element (torchao's int8 CUDA path multiplies ``_int_mm``'s result by ``scale.expand(M, N)``),
+    read broadcast, the same values; else ``other``. Float products keep such an operand whole: their rules
+    take a full-shape ``mul`` where they take no per-token scale."""
+    if (not isinstance(other, fx.Node) or other.target is not aten.expand.default
+            or getattr(val(value), "dtype", None) != torch.int32):
+        return other
+    source = other.args[0]
+    return source if operand_kind(source, val(value), n) in (Operand.ROW, Operand.COL, Operand.ELEMENT) else other
+
+
 def _add_step(value: fx.Node, node: fx.Node, n: int) -> Step | None:
     other = _other_arg(value, node)
     kind = operand_kind(other, val(value), n)
@@ -263,7 +275,7 @@ _MUL_STEPS = {Operand.FULL: "mul", Operand.ROW: "channel_scale", Operand.COL: "t
 
 
 def _mul_step(value: fx.Node, node: fx.Node, n: int) -> Step | None:
-    other = _other_arg(value, node)
+    other = _integer_product_scale(_other_arg(value, node), value, n)
     if isinstance(other, numbers.Real) and not isinstance(other, bool) and math.isfinite(other):
         return Step("scale", [node], scalar=float(other))
     kind = operand_kind(other, val(value), n)

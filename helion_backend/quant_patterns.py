@@ -10,7 +10,9 @@ Dynamic per-token activation quantization is found as the region of pointwise op
 that computes the GEMM's quantized input and its per-token scale from one float tensor. The region is
 recorded op by op as a :class:`~helion_backend.quant_program.QuantProgram`, which the kernel replays
 on tiles: no canonical formula is assumed, so any mix of ``amax``/``max``, ``div``/``mul``,
-reciprocals, clamps and fp32 round trips is computed exactly as written.
+reciprocals, clamps and fp32 round trips is computed exactly as written. The amax may drop its
+dimension and get it back (``x.abs().max(dim=-1)[0].unsqueeze(-1)``, vLLM's native form), and the GEMM
+may read the [M, 1] scale through views (``scale.unsqueeze(-1).reshape(-1, 1)``, torchao's).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ _POINTWISE = {
     aten.minimum.default: "minimum",
 }
 _MAX_REGION_NODES = 32
+# Reductions a quantization may take besides its one amax, which a program cannot hold (named in the report).
+_OTHER_REDUCTIONS = frozenset({aten.amin.default, aten.min.dim, aten.sum.dim_IntList, aten.mean.dim})
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,8 @@ def activation_quant(quantized: fx.Node, scale: fx.Node, rank: int = 2) -> Activ
         return None
     if quantized.target is not prims.convert_element_type.default:
         return None
+    if rank == 2:
+        scale = _column_source(scale)
     region = _region(quantized, scale)
     if region is None:
         return None
@@ -109,7 +115,30 @@ def activation_quant_problem(quantized: fx.Node, scale: fx.Node) -> str:
         return (f"it reads {', '.join(lifted)}, a 0-d graph input: a Python float that torch.compile(dynamic=True) "
                 "passes in per call, where the kernels compile the quantization's constants in; read the constant "
                 "in the forward (e.g. torch.finfo(dtype).max) or mark only the token dimension dynamic")
+    other = sorted({str(leaf.target) for leaf in leaves if leaf.target in _OTHER_REDUCTIONS})
+    if other:  # torchao's int8 scale: max(-min(amin(x), 0), max(amax(x), 0)) / 127.5
+        return (f"its scale also reduces the activation with {', '.join(other)}, where the kernels replay a single "
+                "amax over K")
     return "it reads tensors other than the activation, or ops outside the vocabulary"
+
+
+_VIEWS = frozenset({*RESHAPES, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default})
+
+
+def _column_source(scale: fx.Node) -> fx.Node:
+    """The [M, 1] column that the [M, 1] ``scale`` is a view of, or ``scale`` itself. Views of a tensor
+    whose only dimension of size above one is the first (M) keep its elements in the same order, so the
+    column and the view are the same scales."""
+    found, node, m = scale, scale, val(scale).shape[0]
+    while node.op == "call_function" and node.target in _VIEWS and isinstance(node.args[0], fx.Node):
+        source = val(node.args[0])
+        if source is None or source.dim() < 1 or not statically_known_true(source.shape[0] == m) or not all(
+                statically_known_true(d == 1) for d in source.shape[1:]):
+            break
+        node = node.args[0]
+        if same_shape(source.shape, val(scale).shape):
+            found = node
+    return found
 
 
 def _is_lifted_scalar(node: fx.Node) -> bool:
@@ -181,13 +210,25 @@ def _walk_up(start: fx.Node) -> list[fx.Node]:
 
 
 def _is_reduction(node: fx.Node) -> bool:
+    """An amax or ``max.dim(..)[0]``, or the unsqueeze that gives one back the dimension it dropped."""
+    if node.target is aten.unsqueeze.default:
+        return isinstance(node.args[0], fx.Node) and _is_reduction(node.args[0])
     return node.target is aten.amax.default or (
         node.target is operator.getitem and getattr(node.args[0], "target", None) is aten.max.dim
     )
 
 
 def _reduction_input(node: fx.Node) -> fx.Node:
+    if node.target is aten.unsqueeze.default:
+        return _reduction_input(node.args[0])
     return node.args[0].args[0] if node.target is operator.getitem else node.args[0]
+
+
+def _read_through_unsqueeze(node: fx.Node) -> bool:
+    """A reduction that dropped its dimension, read only by unsqueezes that give it back: the program
+    takes those unsqueezes as the reduction (one [.., 1] column), and skips the node itself."""
+    return (node.target is not aten.unsqueeze.default and _is_reduction(node) and bool(node.users)
+            and all(user.target is aten.unsqueeze.default for user in node.users))
 
 
 def _supported(node: fx.Node) -> bool:
@@ -197,7 +238,7 @@ def _supported(node: fx.Node) -> bool:
         return True
     if node.target is prims.convert_element_type.default:
         return True
-    return node.target is operator.getitem and getattr(node.args[0], "target", None) is aten.max.dim
+    return _is_reduction(node)
 
 
 def _program(x: fx.Node, nodes: list[fx.Node], quantized: fx.Node, scale: fx.Node) -> QuantProgram | None:
@@ -206,8 +247,8 @@ def _program(x: fx.Node, nodes: list[fx.Node], quantized: fx.Node, scale: fx.Nod
     reductions: list[tuple[fx.Node, fx.Node]] = []  # (reduction's result, its input)
     rows = val(x).shape[:-1]  # [M], or [M, K/G] for a quantization per group
     for node in nodes:
-        if node.target is aten.max.dim:
-            continue  # read through its getitem
+        if node.target is aten.max.dim or _read_through_unsqueeze(node):
+            continue  # read through its getitem, or through the unsqueeze that keeps the reduced dimension
         out = val(node)
         if out is None or not same_shape(out.shape[:-1], rows):
             return None
@@ -252,6 +293,19 @@ def _instruction(node: fx.Node, refs: dict[fx.Node, str]) -> Instruction | None:
             return None
         source = arg(node.args[0])
         return None if source is _INVALID else Instruction(CONVERT, (source, dtype_name(dtype)))
+    if node.target is aten.unsqueeze.default:  # amax(v, -1) or max(v, -1)[0], unsqueezed back to [.., 1]
+        reduction = node.args[0]
+        source = val(reduction)
+        if source is None or node.args[1] not in (-1, source.dim()):
+            return None
+        if reduction.target is operator.getitem:
+            if reduction.args[1] != 0:
+                return None
+            reduction = reduction.args[0]
+        if not _reduces_last_dim(reduction, *reduction.args[1:], keepdim_required=False):
+            return None
+        source = arg(reduction.args[0])
+        return None if source is _INVALID else Instruction(REDUCE, (source,))
     if node.target is operator.getitem:  # max.dim(v, dim, keepdim)[0]
         reduction = node.args[0]
         if node.args[1] != 0 or not _reduces_last_dim(reduction, *reduction.args[1:]):
@@ -273,13 +327,15 @@ def _instruction(node: fx.Node, refs: dict[fx.Node, str]) -> Instruction | None:
     return Instruction(_POINTWISE[node.target], args)
 
 
-def _reduces_last_dim(node: fx.Node, dim=None, keepdim=False, *rest) -> bool:
+def _reduces_last_dim(node: fx.Node, dim=None, keepdim=False, *rest, keepdim_required: bool = True) -> bool:
+    """Whether ``node`` (amax or max.dim) reduces only the last dimension, keeping it (or, with
+    ``keepdim_required=False``, dropping it)."""
     source = val(node.args[0])
     if source is None or source.dim() < 2:
         return False
     dims = [dim] if isinstance(dim, int) else list(dim or [])
     keepdim = node.kwargs.get("keepdim", keepdim)
-    return keepdim is True and len(dims) == 1 and dims[0] in (-1, source.dim() - 1)
+    return keepdim is keepdim_required and len(dims) == 1 and dims[0] in (-1, source.dim() - 1)
 
 
 _INVALID = object()

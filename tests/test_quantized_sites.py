@@ -770,3 +770,117 @@ def test_functional_scaled_mm_is_reported_unfused():
     assert not report.sites, report.summary()
     (unfused,) = report.unfused_gemms
     assert unfused.op == "aten._scaled_mm_v2.default" and "no rule anchor" in unfused.reason, unfused
+
+
+# --------------------------------------------------------------------------------------------------
+# vLLM's native fp8 forward, written out as its torch path computes it: QuantFP8.forward_native (dynamic per
+# token: max over K without keepdim, unsqueezed back; multiplied by the scale's reciprocal; or per tensor), then
+# one of the torch scaled-mm kernels' apply (row-wise: the scales and bias in _scaled_mm; channel-wise: unit
+# scales into fp32 and the rescale after; per-tensor), with the weight a [K, N] column-major parameter and the
+# output narrowed to the rows and viewed back. (vLLM's int8 W8A8 and weight-only paths call custom ops.)
+
+VLLM_FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+
+
+class VllmFp8Linear(nn.Module):
+    def __init__(self, linear: nn.Linear, kernel: str) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()
+        per_tensor = kernel == "per_tensor"
+        amax = w.abs().amax() if per_tensor else w.abs().amax(1, keepdim=True)
+        w_scale = (amax / FP8_MAX).clamp(min=1e-12)
+        qweight = (w / w_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        self.weight = nn.Parameter(qweight.t(), requires_grad=False)  # [K, N], column-major, as vLLM stores it
+        self.weight_scale = nn.Parameter(w_scale.reshape(1) if per_tensor else w_scale, requires_grad=False)
+        self.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self.register_buffer("identity", torch.ones(1))
+        self.kernel = kernel
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kernel == "per_tensor":
+            x_max = x.abs().max().unsqueeze(-1).to(torch.float32)
+        else:
+            x_max, _ = x.abs().max(dim=-1)
+            x_max = x_max.unsqueeze(-1).to(torch.float32)
+        scale = (x_max / FP8_MAX).clamp(min=VLLM_FP8_MIN_SCALE)
+        out = x.to(torch.float32) * scale.to(torch.float32).reciprocal()
+        return out.clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_2d = x.view(-1, x.shape[-1])
+        output_shape = [*x.shape[:-1], self.weight.shape[1]]
+        xq, x_scale = self.quantize(x_2d)
+        if self.kernel == "channel_wise":
+            out = torch._scaled_mm(xq, self.weight, scale_a=self.identity, scale_b=self.identity,
+                                   out_dtype=torch.float32)
+            out = torch.narrow(out, 0, 0, xq.shape[0])
+            out = out * torch.narrow(x_scale, 0, 0, xq.shape[0]) * self.weight_scale.t()
+            return (out + self.bias).to(x.dtype).view(*output_shape)
+        scale_b = self.weight_scale if self.kernel == "per_tensor" else self.weight_scale.t()
+        out = torch._scaled_mm(xq, self.weight, out_dtype=x.dtype, scale_a=x_scale, scale_b=scale_b, bias=self.bias)
+        return torch.narrow(out, 0, 0, xq.shape[0]).view(*output_shape)
+
+
+VLLM_SCALES = {"row_wise": ["token_scale", "channel_scale", "bias"],
+               "channel_wise": ["tensor_scale", "tensor_scale", "token_scale", "channel_scale", "bias"],
+               "per_tensor": ["tensor_scale", "tensor_scale", "bias"]}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["default", "kernel_quant"])
+@pytest.mark.parametrize("kernel", sorted(VLLM_SCALES))
+def test_vllm_native_fp8_forms_fuse_and_match_eager(kernel, fused):
+    """Each form fuses as one fp8 site with its scales, bias, GELU and residual. The per-token quantization
+    is recognized (the note by default, the prologue with fuse_activation_quant, the token scale becoming
+    act_scale); a per-tensor one is not per token: Inductor computes it, and the site reads its scale."""
+    torch.manual_seed(20)
+    model = Block()
+    model.proj = VllmFp8Linear(model.proj, kernel)
+    x, r = torch.randn(2, 3, 256), torch.randn(2, 3, 128)
+    with torch.no_grad():
+        out, reports = compile_run(copy.deepcopy(model).eval(), x, r, options=options_of(fused))
+        expected = model(x, r)
+    (site,) = sites(reports)
+    scales = list(VLLM_SCALES[kernel])
+    per_token = kernel != "per_tensor"
+    if per_token and fused:
+        scales[scales.index("token_scale")] = "act_scale"
+    assert (site.kernel, site.prologue) == ("gemm_fp8", ["quant_fp8_per_token"] if per_token and fused else []), site
+    assert site.epilogue[:len(scales)] == scales and site.epilogue[-2:] == ["gelu_tanh", "residual"], site.epilogue
+    left = [f"activation quantization (quant_fp8_per_token) {LEFT_TO_INDUCTOR}" in note for note in site.notes]
+    assert left == ([True] if per_token and not fused else []), site.notes
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def torchao_int8_cuda_form(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
+                           bias: torch.Tensor) -> torch.Tensor:
+    """torchao 0.18's W8A8 linear as it runs on CUDA (``int_scaled_matmul`` without its Triton autotuner):
+    ``_int_mm`` times the token scale expanded to [M, N], in the int32 result's promotion to fp32, cast to
+    the model's dtype, then the channel scale and the bias. Its symmetric scale is max(-min(x), max(x)) / 127.5."""
+    zero = torch.zeros((), dtype=x.dtype)
+    absmax = torch.maximum(-torch.minimum(x.amin(-1, keepdim=True), zero), torch.maximum(x.amax(-1, keepdim=True), zero))
+    scale = (absmax / 127.5).float().clamp(min=torch.finfo(torch.float32).eps).to(x.dtype).float()
+    xq = (x * scale.reciprocal()).round().clamp(-128, 127).to(torch.int8)
+    m, n = x.shape[0], qweight.shape[0]
+    y = (torch._int_mm(xq, qweight.t()) * scale.expand(m, n)).to(x.dtype)
+    return y * w_scale + bias
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torchao_int8_cuda_form_fuses_and_matches_eager(dtype):
+    """The token scale multiplies the int32 result with no cast before it, and through an expand: the same
+    site as the CPU form (``token_scale`` reads the [M, 1] scale)."""
+    torch.manual_seed(21)
+    layer = Int8DynamicLinear.from_linear(nn.Linear(256, 64).to(dtype))
+    x = torch.randn(17, 256, dtype=dtype)
+    args = (layer.qweight, layer.weight_scale, layer.bias)
+    out, reports = compile_run(lambda v: F.gelu(torchao_int8_cuda_form(v, *args), approximate="tanh"), x)
+    (site,) = sites(reports)
+    assert (site.kernel, site.prologue) == ("gemm_int8", []), site
+    assert site.epilogue[:3] == ["token_scale", "cast", "channel_scale"] or (
+        dtype == torch.float32 and site.epilogue[:2] == ["token_scale", "channel_scale"]), site.epilogue
+    assert site.epilogue[-1] == "gelu_tanh", site.epilogue
+    expected = F.gelu(torchao_int8_cuda_form(x, *args), approximate="tanh")
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    else:
+        assert sqnr_db(expected, out) >= 40

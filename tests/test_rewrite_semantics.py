@@ -283,3 +283,19 @@ def test_a_site_whose_rule_stops_at_the_gemm_still_ends_past_the_unpadding_slice
     assert (site.m, site.epilogue) == (5, ["bias"]), site
     assert op_calls.count == 1
     assert rel_err(out, fn(x.double(), w.double(), b.double(), col.double())) < 1e-5
+
+
+
+def test_expanded_operand_of_a_float_product_stays_a_full_multiply():
+    """A float GEMM's ``y * t.expand(M, N)`` is a full-shape ``mul`` (the float rules take no per-token scale);
+    only an integer product reads such a scale broadcast (tests/test_quantized_sites.py, torchao's int8 form)."""
+    w, column = randn(64, 32), randn(8, 1)
+
+    def fn(x):
+        return x @ w.t() * column.expand(8, 64)
+
+    x = randn(8, 32)
+    out, reports = compile_run(fn, x)
+    (site,) = sites(reports)
+    assert site.epilogue == ["mul"], site
+    torch.testing.assert_close(out, fn(x), rtol=1e-5, atol=1e-5)

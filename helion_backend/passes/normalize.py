@@ -37,6 +37,21 @@ _TRANSPOSES = {aten.permute.default, aten.t.default}
 # torch.nn.functional.scaled_mm's op, takes its scaling recipes as arguments; newer torch versions have it.)
 _OTHER_GEMMS = {aten.bmm.default, aten.baddbmm.default,
                 *(op.default for op in [getattr(aten, "_scaled_mm_v2", None)] if op is not None)}
+# GEMMs on a weight packed for one library kernel (torchao's int4 weight-only layers call them): reported with
+# why they stay as they are, never rewritten.
+_PACKED_WEIGHT_GEMMS = {
+    "_weight_int4pack_mm": "tinygemm's int4 GEMM (CUDA) on a weight in its tile-packed layout (torchao's "
+                           "Int4WeightOnlyConfig(int4_packing_format='tile_packed_to_4d'))",
+    "_weight_int4pack_mm_for_cpu": "the CPU int4 GEMM on a weight in its opaque packed layout (torchao's "
+                                   "Int4OpaqueTensor)",
+    "_weight_int4pack_mm_with_scales_and_zeros": "the XPU int4 GEMM on a weight in its packed layout (torchao's "
+                                                 "Int4PlainInt32Tensor)",
+}
+_PACKED_WEIGHT_REASON = ("{what}: one opaque op whose weight only that kernel can read, and no kernel family reads "
+                         "that layout; the gemm_int4 family reads plain packed bytes dequantized in the graph "
+                         "(helion_backend.quantize.Int4WeightOnlyLinear's form)")
+_PACKED_WEIGHT_OPS = {getattr(aten, name).default: _PACKED_WEIGHT_REASON.format(what=what)
+                      for name, what in _PACKED_WEIGHT_GEMMS.items() if hasattr(aten, name)}
 _OP_NAMES = {op: name for name, op in ANCHOR_OPS.items()}
 # What each anchor multiplies, by input dtype.
 _INPUT_DTYPES = {
@@ -59,6 +74,8 @@ def run(ctx: PassContext) -> None:
                 ctx.unanchored.append((node, site_or_reason))
         elif node.target in _OTHER_GEMMS:
             ctx.unanchored.append((node, f"{node.target} has no rule anchor in this version"))
+        elif node.target in _PACKED_WEIGHT_OPS:
+            ctx.unanchored.append((node, _PACKED_WEIGHT_OPS[node.target]))
 
 
 def _describe(node: fx.Node) -> GemmSite | str:
