@@ -577,8 +577,9 @@ ODD_SHAPES = ((1, 8, 24), (3, 24, 8), (5, 40, 72), (7, 72, 1021), (9, 136, 257),
 # The epilogues decoders write after a projection, with the steps a site must fuse (a cast to the GEMM's own
 # dtype is no node, so float32 programs fuse one step fewer).
 DECODER_EPILOGUES: dict[str, tuple[Callable[..., torch.Tensor], tuple[str, ...]]] = {
-    # A float32 residual stream: the projection upcast, then added to it.
-    "cast_residual": (lambda h, t: h.float() + t["r32"], ("cast", "residual")),
+    # A float32 residual stream: the projection upcast, then added to it. No shipped rule takes a step after
+    # such a cast, so the residual add stays with Inductor.
+    "cast_residual": (lambda h, t: h.float() + t["r32"], ("cast",)),
     # The residual in the model's dtype, the sum upcast (float32 hidden states or logits).
     "residual_cast": (lambda h, t: (h + t["r"]).float(), ("residual", "cast")),
     # Granite's residual_multiplier: a scale, then the residual.
@@ -615,7 +616,10 @@ def _decoder_epilogues(dtype: torch.dtype) -> Callable[..., list[torch.Tensor]]:
     return run
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("dtype", [
+    pytest.param(d, id=str(d).removeprefix("torch."),
+                 marks=[pytest.mark.slow] if d == torch.float16 and DEVICE.type == "cpu" else []) for d in DTYPES
+])
 def test_decoder_epilogues_at_odd_shapes_match_float64_like_eager(dtype: torch.dtype) -> None:
     """Residual with a cast, scale then residual and bias then multiply, at tiny and non-power-of-two K and N
     and odd M: each is one site fusing its whole epilogue (Helion on the GPU, the reference on the CPU),
@@ -637,6 +641,8 @@ def test_decoder_epilogues_at_odd_shapes_match_float64_like_eager(dtype: torch.d
         site = by_shape.get((k, n))
         assert site is not None and site.m == m, f"{what}: no site\n{summary}"
         steps = [s for s in DECODER_EPILOGUES[form][1] if not (s == "cast" and dtype == torch.float32)]
+        if form == "cast_residual" and dtype == torch.float32:  # no cast node: the residual is the first step
+            steps = ["residual"]
         assert site.epilogue == steps, f"{what}: fused {site.epilogue}\n{summary}"
         if DEVICE.type == "cpu":
             assert site.runs_on == "reference", f"{what}\n{summary}"
