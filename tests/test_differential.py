@@ -637,7 +637,8 @@ def test_decoder_epilogues_at_odd_shapes_match_float64_like_eager(dtype: torch.d
         what = f"{form} m={m} k={k} n={n} {dtype}"
         assert (g.dtype, g.shape) == (e.dtype, e.shape), what
         err, eager_err = rel_err(g, r), rel_err(e, r)
-        assert err <= max(TOLERANCE[dtype], 3 * eager_err), f"{what}: error {err:.3g} (eager's {eager_err:.3g})\n{summary}"
+        assert err <= max(TOLERANCE[dtype], 3 * eager_err), \
+            f"{what}: error {err:.3g} (eager's {eager_err:.3g})\n{summary}"
         site = by_shape.get((k, n))
         assert site is not None and site.m == m, f"{what}: no site\n{summary}"
         steps = [s for s in DECODER_EPILOGUES[form][1] if not (s == "cast" and dtype == torch.float32)]

@@ -174,7 +174,8 @@ def _cases(decode: bool) -> list:
             for dtype in DTYPES:
                 for batch, length in shapes:
                     case = Case(device, family, dtype, batch, length)
-                    marks = [pytest.mark.gpu] if device == "cuda" else [] if str(case) in CPU_FAST else [pytest.mark.slow]
+                    fast = device == "cpu" and str(case) in CPU_FAST
+                    marks = [pytest.mark.gpu] if device == "cuda" else [] if fast else [pytest.mark.slow]
                     params.append(pytest.param(case, marks=marks, id=str(case)))
     return params
 
