@@ -19,13 +19,23 @@ import helion_backend  # noqa: E402
 from helion_backend.options import UNTUNED_HELION, UNTUNED_SITES_ENV  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", help="also run the tests marked slow (long CPU runs)")
+
+
+def _runs_slow(config) -> bool:
+    """Slow tests run with --runslow, or when the -m expression names them (``-m slow``)."""
+    return config.getoption("--runslow") or "slow" in (config.option.markexpr or "")
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_slow = pytest.mark.skip(reason="slow: run with --runslow or -m slow")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+        elif "slow" in item.keywords and not _runs_slow(config):
+            item.add_marker(skip_slow)
 
 
 @pytest.fixture(autouse=True)

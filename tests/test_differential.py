@@ -565,3 +565,89 @@ def test_add_with_alpha_on_a_gemm_left_to_inductor() -> None:
     torch._dynamo.mark_dynamic(r, 0)
     compiled = torch.compile(_add_with_alpha, backend="helion_inductor", options={"rewrite_on_cpu": True})
     assert rel_err(compiled(x, w, r), _add_with_alpha(x.double(), w.double(), r.double())) < 1e-5
+
+
+# --------------------------------------------------------------------------------------------------
+# Decoder epilogues at tiny and non-power-of-two shapes
+
+# (M, K, N): odd M from 1 to 31 (Helion's rows on the GPU), K and N from 8 to 1024, mostly not powers of two.
+# Each epilogue form adds its index to N, so that every site of the graph has its own (K, N).
+ODD_SHAPES = ((1, 8, 24), (3, 24, 8), (5, 40, 72), (7, 72, 1021), (9, 136, 257), (13, 257, 136), (17, 1000, 40),
+              (31, 1024, 1000))
+# The epilogues decoders write after a projection, with the steps a site must fuse (a cast to the GEMM's own
+# dtype is no node, so float32 programs fuse one step fewer).
+DECODER_EPILOGUES: dict[str, tuple[Callable[..., torch.Tensor], tuple[str, ...]]] = {
+    # A float32 residual stream: the projection upcast, then added to it. No shipped rule takes a step after
+    # such a cast, so the residual add stays with Inductor.
+    "cast_residual": (lambda h, t: h.float() + t["r32"], ("cast",)),
+    # The residual in the model's dtype, the sum upcast (float32 hidden states or logits).
+    "residual_cast": (lambda h, t: (h + t["r"]).float(), ("residual", "cast")),
+    # Granite's residual_multiplier: a scale, then the residual.
+    "scale_residual": (lambda h, t: h * 0.22 + t["r"], ("scale", "residual")),
+    # A projection with a bias, then a gating multiply.
+    "bias_mul": (lambda h, t: h * t["q"], ("bias", "mul")),
+}
+
+
+def _decoder_programs(dtype: torch.dtype) -> list[tuple[str, int, int, int]]:
+    return [(form, m, k, n + i) for i, form in enumerate(DECODER_EPILOGUES) for m, k, n in ODD_SHAPES]
+
+
+def _decoder_inputs(dtype: torch.dtype, gen: torch.Generator) -> list[dict[str, torch.Tensor]]:
+    def randn(*size: int, dt: torch.dtype = dtype) -> torch.Tensor:
+        return torch.randn(*size, generator=gen, device=DEVICE).to(dt)
+
+    return [{"x": randn(m, k), "w": randn(n, k) / math.sqrt(k), "b": randn(n), "r": randn(m, n),
+             "r32": randn(m, n, dt=torch.float32), "q": randn(m, n)}
+            for _, m, k, n in _decoder_programs(dtype)]
+
+
+def _decoder_epilogues(dtype: torch.dtype) -> Callable[..., list[torch.Tensor]]:
+    programs = _decoder_programs(dtype)
+
+    def run(inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        outputs = []
+        for (form, *_), t in zip(programs, inputs):
+            epilogue, steps = DECODER_EPILOGUES[form]
+            h = F.linear(t["x"], t["w"], t["b"] if steps[0] == "bias" else None)
+            outputs.append(epilogue(h, t))
+        return outputs
+
+    return run
+
+
+@pytest.mark.parametrize("dtype", [
+    pytest.param(d, id=str(d).removeprefix("torch."),
+                 marks=[pytest.mark.slow] if d == torch.float16 and DEVICE.type == "cpu" else []) for d in DTYPES
+])
+def test_decoder_epilogues_at_odd_shapes_match_float64_like_eager(dtype: torch.dtype) -> None:
+    """Residual with a cast, scale then residual and bias then multiply, at tiny and non-power-of-two K and N
+    and odd M: each is one site fusing its whole epilogue (Helion on the GPU, the reference on the CPU),
+    whose output has eager's dtype and is as close to float64 as eager's."""
+    run = _decoder_epilogues(dtype)
+    inputs = _decoder_inputs(dtype, torch.Generator(device=DEVICE).manual_seed(7))
+    helion_backend.clear_reports()
+    got = torch.compile(run, backend="helion_inductor", options=DEVICE_OPTIONS)(inputs)
+    reports = helion_backend.get_reports()
+    summary = "\n".join(r.summary() for r in reports)
+    eager = run(inputs)
+    reference = run([{k: v.double() for k, v in t.items()} for t in inputs])
+    by_shape = {(s.k, s.n): s for s in sites(reports)}
+    for (form, m, k, n), g, e, r in zip(_decoder_programs(dtype), got, eager, reference, strict=True):
+        what = f"{form} m={m} k={k} n={n} {dtype}"
+        assert (g.dtype, g.shape) == (e.dtype, e.shape), what
+        err, eager_err = rel_err(g, r), rel_err(e, r)
+        assert err <= max(TOLERANCE[dtype], 3 * eager_err), \
+            f"{what}: error {err:.3g} (eager's {eager_err:.3g})\n{summary}"
+        site = by_shape.get((k, n))
+        assert site is not None and site.m == m, f"{what}: no site\n{summary}"
+        steps = [s for s in DECODER_EPILOGUES[form][1] if not (s == "cast" and dtype == torch.float32)]
+        if form == "cast_residual" and dtype == torch.float32:  # no cast node: the residual is the first step
+            steps = ["residual"]
+        assert site.epilogue == steps, f"{what}: fused {site.epilogue}\n{summary}"
+        if DEVICE.type == "cpu":
+            assert site.runs_on == "reference", f"{what}\n{summary}"
+        elif min(k, n) >= 64:
+            assert site.runs_on == "helion", f"{what}\n{summary}"
+        else:  # a GEMM this small may be left to cuBLAS, as not worth a kernel, and the report says so
+            assert site.runs_on == "helion" or site.why, f"{what}\n{summary}"
