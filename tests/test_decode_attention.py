@@ -131,6 +131,14 @@ def test_a_prefill_keeps_pytorchs_kernel_and_says_why():
                                                            options=options)
 
 
+def test_a_one_position_cache_keeps_pytorchs_kernel():
+    """A one-token prompt without a cache attends one key per head: the decode kernel (whose Helion tiling of
+    a length of one is wrong: 0.34 from the float32 model on the GPU) leaves it to PyTorch."""
+    q, k, v = (torch.randn(B, H, 1, D) for _ in range(3))
+    weight = torch.randn(H * D, 8)
+    assert "L=1" in unfused_reason(attention_then_project, q, k, v, None, weight)
+
+
 def test_is_causal_and_dynamic_shapes_are_refused():
     q, k, v, _, _ = inputs(4, "none")
     assert "is_causal" in unfused_reason(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True), q, k, v)

@@ -689,6 +689,14 @@ def test_decode_attention_kernel_matches_float64(rows, dtype, mask_kind, split_k
     assert rel_err(out, ref) <= ATTENTION_TOLERANCE[dtype]
 
 
+def test_decode_attention_kernel_refuses_a_one_position_cache():
+    from helion_backend.kernels.attention import decode_attention_helion
+
+    (q, k, v, _), _ = attention_case(1, 1, torch.float32, "none")
+    with pytest.raises(ValueError, match="length of 1"):
+        decode_attention_helion(q, k, v, None, scale=0.2)
+
+
 @pytest.mark.parametrize("rows, out_layout", [(1, "contiguous"), (3, "rows_outer")])
 def test_decode_attention_kernel_grouped_query_heads(rows, out_layout):
     """6 query heads over 2 key/value heads: a key/value head's 3 query heads (x rows) are its kernel rows.

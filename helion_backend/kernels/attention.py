@@ -195,6 +195,9 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
                          f"{tuple(k.shape)} and {tuple(v.shape)}")
     if q.dtype not in ATTENTION_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k and v must share one of {ATTENTION_DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape[2] == 1:  # Helion 1.4 drops the mask of a tiled dimension of static size one (kernels/gemm.py)
+        raise ValueError(f"a key/value length of 1 (k {tuple(k.shape)}): Helion's tiling of it is wrong, so the "
+                         "kernel refuses it")
     if d > ATTENTION_MAX_HEAD_DIM:  # the [rows, D] accumulator and q tile live in registers
         raise ValueError(f"head dimension {d} > {ATTENTION_MAX_HEAD_DIM}")
     if mask is not None and not (mask.dtype == torch.bool or mask.dtype.is_floating_point):

@@ -184,6 +184,8 @@ def _unsupported(site: AttentionSite, arguments: dict[str, Any], max_rows: int) 
         return f"mask {tuple(val(site.mask).shape)} does not broadcast to {(batch, heads, rows, k.shape[2])}"
     if rows > max_rows:
         return f"rows={rows} > decode_attention_max_rows={max_rows}: a prefill, PyTorch's kernel is tiled for it"
+    if k.shape[2] == 1:
+        return "L=1: one key per head, nothing to split (and Helion's tiling of a one-position cache is wrong)"
     return None
 
 
