@@ -529,7 +529,8 @@ def test_random_programs_match_float64_like_eager(index: int, op_calls) -> None:
         if DEVICE.type == "cpu":  # under CUDA graphs a replay does not pass through Python
             rows = max((tokens * math.prod(p.lead) for p in programs if p.n in {s.n for s in found}), default=0)
             routed_to_rewrite = batch.mode == "static" or rows <= MAX_HELION_SIZE
-            expected = len(found) if routed_to_rewrite else 0
+            rewritten = [s for s in found if s.runs_on != "inductor"]  # (a K below one dot step is not)
+            expected = len(rewritten) if routed_to_rewrite else 0
             assert op_calls.count - calls_before == expected, f"tokens={tokens}\n{context}"
 
 
