@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # What a wheel build reads from the checkout.
-BUILD_INPUTS = ("setup.cfg", "pyproject.toml", "README.md", "rules")
+BUILD_INPUTS = ("setup.cfg", "pyproject.toml", "README.md", "helion_inductor.py", "rules")
 
 FIND_RULES = """
 import json, helion_backend
