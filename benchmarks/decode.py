@@ -781,6 +781,9 @@ def merge_results(paths: Sequence[Path], out_dir: Path) -> Path:
     models = {json.dumps(data["metadata"]["model"], sort_keys=True) for data in shards}
     if len(models) > 1:
         raise SystemExit(f"cannot merge results of different model configs: {sorted(models)}")
+    worlds = {data["metadata"].get("world_size") for data in shards}  # None: one GPU
+    if len(worlds) > 1:
+        raise SystemExit(f"cannot merge results of different --tp world sizes: {sorted(worlds, key=str)}")
     rows: dict[tuple, dict] = {}
     for data in shards:
         for row in data["rows"]:
@@ -795,6 +798,10 @@ def merge_results(paths: Sequence[Path], out_dir: Path) -> Path:
         "helion_reports": {k: v for data in shards for k, v in data["metadata"].get("helion_reports", {}).items()},
         "lm_head": {k: v for data in shards for k, v in data["metadata"].get("lm_head", {}).items()},
     }
+    if worlds != {None}:
+        from benchmarks import decode_tp
+
+        return decode_tp.write_merged(out_dir, merged, shards, list(rows.values()))
     return write_results(out_dir, merged, list(rows.values()))
 
 

@@ -450,13 +450,22 @@ class ResultWriter:
         self.metadata["complete"] = not self.metadata["skipped"]
         self.write()
 
-    @property
-    def json_path(self) -> Path:
-        return self.out_dir / f"{self.metadata['device_tag']}_decode.json"
-
     def write(self) -> Path:
-        return decode.write_result_files(self.json_path.with_suffix(""), self.metadata, self.rows,
-                                         markdown(self.metadata, self.rows))
+        return write_results(self.out_dir, self.metadata, self.rows)
+
+
+def write_results(out_dir: Path, metadata: Mapping[str, Any], rows: Sequence[dict]) -> Path:
+    """``<out_dir>/<device>_tp<N>_decode.json`` and ``.md``; returns the JSON path."""
+    return decode.write_result_files(out_dir / f"{metadata['device_tag']}_decode", dict(metadata), rows,
+                                     markdown(metadata, rows))
+
+
+def write_merged(out_dir: Path, merged: dict[str, Any], shards: Sequence[dict], rows: Sequence[dict]) -> Path:
+    """The merge of ``decode.py --merge`` for tensor-parallel files: also every file's per-rank sites and
+    sharding errors (a later file's win)."""
+    for key in ("rank_sites", "eager_sharding_error"):
+        merged[key] = {k: v for data in shards for k, v in data["metadata"].get(key, {}).items()}
+    return write_results(out_dir, merged, rows)
 
 
 def markdown(metadata: Mapping[str, Any], rows: Sequence[dict]) -> str:
