@@ -9,8 +9,8 @@ __version__ = "0.1.0"
 
 BACKEND_NAME = "helion_inductor"
 
-from .backend import helion_inductor, register_backend  # noqa: E402
-from .report import clear_reports, get_reports  # noqa: E402
+from helion_backend.backend import helion_inductor, register_backend  # noqa: E402
+from helion_backend.report import clear_reports, get_reports  # noqa: E402
 
 register_backend()
 

@@ -35,8 +35,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .jsonfile import write_json_atomic
-from .vocabulary import (
+from helion_backend.jsonfile import write_json_atomic
+from helion_backend.vocabulary import (
     EPILOGUE_STEPS,
     KERNEL_FAMILIES,
     MULTI_GEMM_FAMILIES,

@@ -26,7 +26,7 @@ UNTUNED_SITES = (UNTUNED_INDUCTOR, UNTUNED_HELION)
 DEFAULT_NUM_TOKENS = (1, 2, 4, 8, 16, 24, 32)
 
 # Autotuning defaults, shared by ``python -m helion_backend tune`` and the option ``autotune_missing``.
-# ``sweep`` times the family's fixed candidate configs at the key (:mod:`helion_backend.tuning_candidates`),
+# ``sweep`` times the family's fixed candidate configs at the key (:mod:`helion_backend.tuning.candidates`),
 # seconds a key; the others are Helion's autotune_effort presets that search ("none" does not), minutes a key.
 SWEEP_EFFORT = "sweep"
 HELION_TUNE_EFFORTS = ("quick", "full")
@@ -101,10 +101,10 @@ class BackendOptions:
     """Keep Helion's generated code in ``<cache_dir>/kernels``, so that a new process launches a kernel without
     tracing it again (0.3-0.5 s a kernel signature); $HELION_INDUCTOR_CODE_CACHE=0 turns it off. Kernels compile
     when they first run, so this and ``cache_dir`` apply process-wide: each compile sets them for the kernels
-    launched after it (:mod:`helion_backend.code_cache`)."""
+    launched after it (:mod:`helion_backend.kernels.code_cache`)."""
     verify: bool = field(default_factory=lambda: env_flag(VERIFY_ENV))
     """Self-check: the first run of each fused site at each M also runs the site's unfused reference on the same
-    inputs and compares (relative error at a tolerance of the site's dtypes, :mod:`helion_backend.verify`); a
+    inputs and compares (relative error at a tolerance of the site's dtypes, :mod:`helion_backend.runtime.verify`); a
     site that diverges warns once, notes it in the report and runs its reference from then on. The check runs
     outside CUDA-graph capture (cudagraph trees' warm-up run). Also set by $HELION_INDUCTOR_VERIFY=1; off by
     default, as each first run costs a second computation."""
@@ -195,7 +195,7 @@ class BackendOptions:
 
     @property
     def code_cache_dir(self) -> str | None:
-        """Helion's generated code, one JSON file per kernel signature (:mod:`helion_backend.code_cache`);
+        """Helion's generated code, one JSON file per kernel signature (:mod:`helion_backend.kernels.code_cache`);
         None when the code cache is off."""
         return str(Path(self.cache_dir) / "kernels") if self.code_cache else None
 

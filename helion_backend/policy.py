@@ -28,7 +28,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from .vocabulary import (
+from helion_backend.vocabulary import (
     EVIDENCE_CALIBRATED,
     EVIDENCE_EXACT,
     EVIDENCE_NEAREST,

@@ -44,7 +44,7 @@ class StepKind:
     only_in: tuple[str, ...] = ()  # the kernel families that can run this step, if not all of them
 
 
-# Unary activations. Their fp32 formulas live in :mod:`helion_backend.epilogue`; the matcher
+# Unary activations. Their fp32 formulas live in :mod:`helion_backend.semantics.epilogue`; the matcher
 # identifies decomposed activation regions against those same formulas.
 ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "gelu_tanh", "silu", "sigmoid")
 
@@ -78,7 +78,7 @@ ACTIVATION_QUANT_STEPS: dict[torch.dtype, str] = {
     torch.float8_e4m3fn: "quant_fp8_per_token",
     torch.int8: "quant_int8_per_token",
 }
-# The packed int4 weight format that ``dequant_int4`` reads (helion_backend.quantize.Int4WeightOnlyLinear):
+# The packed int4 weight format that ``dequant_int4`` reads (helion_backend.layers.quantize.Int4WeightOnlyLinear):
 # uint8 [N, K/2], byte j of a row holding column 2j in its low nibble and 2j + 1 in its high nibble,
 # values 0..15 standing for q - INT4_ZERO_POINT, and a [N, K/G] scale per group of G columns.
 INT4_ZERO_POINT = 8

@@ -16,10 +16,11 @@ from test_manifest import sites_placed_on_helion  # noqa: F401 (a fixture)
 from test_tuning import config, reference_kernels  # noqa: F401 (a fixture)
 
 import helion_backend
-from helion_backend import backend, tuning
+from helion_backend import backend
 from helion_backend.kernels import configs
 from helion_backend.options import DEFAULT_TUNE_BUDGET_S, DEFAULT_TUNE_EFFORT, BackendOptions
-from helion_backend.tuning import ConfigTable, TuneKey
+from helion_backend.tuning import loop as tuning
+from helion_backend.tuning.loop import ConfigTable, TuneKey
 
 CUDA = torch.device("cuda")
 REAL_TUNE_KEY = tuning.tune_key

@@ -17,8 +17,8 @@ if str(ROOT) not in sys.path:  # `pytest` (unlike `python -m pytest`) does not p
 
 from benchmarks import bench_gemm  # noqa: E402
 from benchmarks.common import MERGED_COMMAND  # noqa: E402
-from helion_backend.quantize import QUANT_FORMATS  # noqa: E402
-from helion_backend.tuning_problems import QUANT_FORMAT_OF  # noqa: E402
+from helion_backend.layers.quantize import QUANT_FORMATS  # noqa: E402
+from helion_backend.tuning.problems import QUANT_FORMAT_OF  # noqa: E402
 from helion_backend.vocabulary import KERNEL_FAMILIES  # noqa: E402
 
 NEW_FORMATS = ("int4_weight_only", "fp8_block")

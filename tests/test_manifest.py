@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from helion_backend import jsonfile
+from helion_backend.compile.passes import placement, shared_input
 from helion_backend.manifest import ManifestError, ManifestSite, merge_sites, read_manifest, record_sites
 from helion_backend.options import BackendOptions
-from helion_backend.passes import placement, shared_input
 
 GELU = ("bias", "gelu_tanh")
 

@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helion_backend import dispatch
+from helion_backend.compile.passes import placement
 from helion_backend.kernels import configs
 from helion_backend.options import BackendOptions
-from helion_backend.passes import placement
+from helion_backend.runtime import dispatch
 
 CUDA = torch.device("cuda")  # a device object only: nothing runs on it here
 K, N = 4096, 1024

@@ -15,13 +15,15 @@ if str(ROOT) not in sys.path:  # `pytest` (unlike `python -m pytest`) does not p
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import sweep_gemm_configs as sweep  # noqa: E402
-from helion_backend import dispatch, tuning, tuning_problems  # noqa: E402
 from helion_backend.__main__ import main as helion_main  # noqa: E402
 from helion_backend.kernels.gemm import glu_kernel_config  # noqa: E402
 from helion_backend.manifest import read_manifest  # noqa: E402
-from helion_backend.timing import TimingConfig  # noqa: E402
-from helion_backend.tuning import DEFAULT_NUM_TOKENS, TuneKey, expand_keys  # noqa: E402
-from helion_backend.tuning_candidates import candidates_for, glu_candidates  # noqa: E402
+from helion_backend.runtime import dispatch  # noqa: E402
+from helion_backend.tuning import loop as tuning  # noqa: E402
+from helion_backend.tuning import problems as tuning_problems  # noqa: E402
+from helion_backend.tuning.candidates import candidates_for, glu_candidates  # noqa: E402
+from helion_backend.tuning.loop import DEFAULT_NUM_TOKENS, TuneKey, expand_keys  # noqa: E402
+from helion_backend.tuning.timing import TimingConfig  # noqa: E402
 
 SUITES = sweep.parse_args([]).suites  # the script's default: every model's suite
 

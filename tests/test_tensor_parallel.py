@@ -18,15 +18,15 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import tensor_parallel as tp
 import torch
 import torch.nn.functional as F
+from helpers import TOLERANCE, randn
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import tensor_parallel as tp
+from helion_backend.compile.manager import HelionPassManager
 from helion_backend.options import BackendOptions
-from helion_backend.passes.manager import HelionPassManager
-from helpers import TOLERANCE, randn
 
 WORLD = 2
 TESTS_DIR = Path(__file__).resolve().parent

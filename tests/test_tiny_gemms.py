@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import torch
-
-from helion_backend.passes import placement
-from helion_backend.passes.manager import HelionPassManager
-from helion_backend.options import BackendOptions
-
 from helpers import compile_run, rel_err, sites
+
+from helion_backend.compile.manager import HelionPassManager
+from helion_backend.compile.passes import placement
+from helion_backend.options import BackendOptions
 
 
 def rotary_angles(inv_freq: torch.Tensor, position_ids: torch.Tensor, x: torch.Tensor, w: torch.Tensor):

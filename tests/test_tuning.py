@@ -13,14 +13,17 @@ import pytest
 import torch
 
 import benchmarks.common
-from helion_backend import dispatch, timing, tuning, tuning_problems
 from helion_backend.__main__ import main
 from helion_backend.kernels import configs
 from helion_backend.kernels.gemm import Layout, Signature, check_operands, norm_kernel_config
 from helion_backend.manifest import ManifestSite
-from helion_backend.tuning import ConfigTable, TuneError, TuneKey
-from helion_backend.tuning_candidates import candidates_for
-from helion_backend.tuning_problems import QUANT_FORMAT_OF, build_problem, quantized_site
+from helion_backend.runtime import dispatch
+from helion_backend.tuning import loop as tuning
+from helion_backend.tuning import problems as tuning_problems
+from helion_backend.tuning import timing
+from helion_backend.tuning.candidates import candidates_for
+from helion_backend.tuning.loop import ConfigTable, TuneError, TuneKey
+from helion_backend.tuning.problems import QUANT_FORMAT_OF, build_problem, quantized_site
 
 CUDA = torch.device("cuda")  # a device object only, except in the GPU test
 
@@ -723,8 +726,8 @@ def test_quantized_sibling_families_have_tuning_problems(family):
     int8's kernel runs here on the interpreter and matches the problem's reference (fp8's loads are wrong there)."""
     import helion
 
-    from helion_backend.timing import relative_error
-    from helion_backend.tuning_problems import TuneKey, quantized_sibling_epilogue
+    from helion_backend.tuning.problems import TuneKey, quantized_sibling_epilogue
+    from helion_backend.tuning.timing import relative_error
 
     glu = "glu" in family
     widths = () if glu else (64, 32, 32)
@@ -746,7 +749,7 @@ def test_fallback_compiles_afresh_without_dropping_other_compiled_functions(monk
     from torch._dynamo.testing import CompileCounter
     from torch._dynamo.utils import counters
 
-    from helion_backend.tuning_problems import compiled
+    from helion_backend.tuning.problems import compiled
 
     counter = CompileCounter()
     user = torch.compile(lambda x: x * 2, backend=counter)

@@ -18,14 +18,16 @@ import warmup_fakes
 from test_tuning import FakeClock, fake_entry, key, run_loop, write_manifest
 from warmup_fakes import HANG_M
 
-from helion_backend import options, tuning, tuning_warmup
+from helion_backend import options
 from helion_backend.__main__ import main
 from helion_backend.kernels import configs
 from helion_backend.manifest import ManifestSite
-from helion_backend.tuning import ConfigTable, TuneError
-from helion_backend.tuning_candidates import candidates_for
-from helion_backend.tuning_problems import Problem
-from helion_backend.tuning_warmup import WarmPool, warm_key
+from helion_backend.tuning import loop as tuning
+from helion_backend.tuning import warmup as tuning_warmup
+from helion_backend.tuning.candidates import candidates_for
+from helion_backend.tuning.loop import ConfigTable, TuneError
+from helion_backend.tuning.problems import Problem
+from helion_backend.tuning.warmup import WarmPool, warm_key
 
 # --- the key loop ----------------------------------------------------------------------------------
 

@@ -24,9 +24,10 @@ import torch.nn.functional as F
 from helpers import CPU_REWRITE, TOLERANCE, rel_err
 
 import helion_backend
-from helion_backend import bisect_sites, dispatch, verify
 from helion_backend.options import VERIFY_ENV, BackendOptions
 from helion_backend.report import site_id
+from helion_backend.runtime import dispatch, verify
+from helion_backend.tools import bisect_sites
 
 ROOT = Path(__file__).resolve().parents[1]
 WRONG_BY = 1.01  # a wrong kernel: 1% off everywhere (the reference's rel. error would be 1e-2)

@@ -31,8 +31,8 @@ import helion.language as hl
 import torch
 from helion.autotuner import PowerOfTwoFragment
 
-from ..vocabulary import ATTENTION_DTYPES, ATTENTION_MAX_HEAD_DIM
-from .gemm import Layout, compiled_kernel
+from helion_backend.kernels.gemm import Layout, compiled_kernel
+from helion_backend.vocabulary import ATTENTION_DTYPES, ATTENTION_MAX_HEAD_DIM
 
 LOG2E = 1.4426950408889634
 # Cache positions per chunk come in whole runs of this many (so that full K/V blocks stay unmasked).

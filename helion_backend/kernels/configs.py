@@ -14,11 +14,12 @@ import json
 import logging
 import re
 from pathlib import Path
+
 import helion
 import torch
 
-from ..vocabulary import CONFIG_FALLBACK, DEFAULT_KERNEL_FAMILY, INT4_FAMILY, dtype_name
-from ..policy import NO_EVIDENCE, Decision, Entry, decide
+from helion_backend.policy import NO_EVIDENCE, Decision, Entry, decide
+from helion_backend.vocabulary import CONFIG_FALLBACK, DEFAULT_KERNEL_FAMILY, INT4_FAMILY, dtype_name
 
 log = logging.getLogger(__name__)
 
