@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
-from helion_backend.kernels.configs import gpu_key
+from helion_backend.tables import gpu_key
 from helion_backend.tuning.timing import (  # noqa: F401  (re-exported for the benchmark scripts)
     CapturedCalls,
     Step,

@@ -62,7 +62,7 @@ if __package__ in (None, ""):
 import torch
 
 from benchmarks.bench_gemm import SMOKE_SUITE, SUITES
-from helion_backend.kernels import configs
+from helion_backend import tables
 from helion_backend.manifest import ManifestSite, SiteIdentity, write_manifest
 from helion_backend.options import SWEEP_EFFORT, BackendOptions
 from helion_backend.tuning.loop import (
@@ -194,7 +194,7 @@ def sweep(keys: list[TuneKey], args: argparse.Namespace) -> None:
     tune_log = logging.getLogger("helion_backend.tuning.loop")
     tune_log.setLevel(logging.INFO)
     tune_log.addHandler(logging.StreamHandler(sys.stdout))
-    path = configs.TUNED_DIR / f"{configs.gpu_key(device)}.json"
+    path = tables.TUNED_DIR / f"{tables.gpu_key(device)}.json"
     table = ConfigTable.load(path, shlex.join(sys.orig_argv))  # a sweep updates the table, key by key
     metadata = table_metadata(device)
     start = time.monotonic()

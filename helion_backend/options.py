@@ -101,7 +101,7 @@ class BackendOptions:
     """Keep Helion's generated code in ``<cache_dir>/kernels``, so that a new process launches a kernel without
     tracing it again (0.3-0.5 s a kernel signature); $HELION_INDUCTOR_CODE_CACHE=0 turns it off. Kernels compile
     when they first run, so this and ``cache_dir`` apply process-wide: each compile sets them for the kernels
-    launched after it (:mod:`helion_backend.kernels.code_cache`)."""
+    launched after it (:mod:`helion_backend.code_cache`)."""
     verify: bool = field(default_factory=lambda: env_flag(VERIFY_ENV))
     """Self-check: the first run of each fused site at each M also runs the site's unfused reference on the same
     inputs and compares (relative error at a tolerance of the site's dtypes, :mod:`helion_backend.runtime.verify`); a
@@ -195,7 +195,7 @@ class BackendOptions:
 
     @property
     def code_cache_dir(self) -> str | None:
-        """Helion's generated code, one JSON file per kernel signature (:mod:`helion_backend.kernels.code_cache`);
+        """Helion's generated code, one JSON file per kernel signature (:mod:`helion_backend.code_cache`);
         None when the code cache is off."""
         return str(Path(self.cache_dir) / "kernels") if self.code_cache else None
 

@@ -11,6 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
+# The torch.compile backend's name, and the namespace of its custom ops (``torch.ops.helion_inductor``):
+# the compile side names the ops it inserts through it, the run time registers them under it.
+BACKEND_NAME = "helion_inductor"
+OP_NAMESPACE = "helion_inductor"
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")

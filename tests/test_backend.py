@@ -14,7 +14,8 @@ from helpers import compile_run, randn, rel_err, sites
 
 import helion_backend
 from helion_backend.compile import graph_drawing
-from helion_backend.compile.manager import HelionPassManager, package_digest, source_digest
+from helion_backend.compile.manager import HelionPassManager
+from helion_backend.environment import package_digest, source_digest
 from helion_backend.options import BackendOptions
 from helion_backend.report import GraphReport
 
@@ -110,7 +111,7 @@ def test_uuid_covers_rules_options_and_version(tmp_path):
 
 def test_code_cache_follows_the_options_of_the_latest_compile_and_the_env_var(tmp_path, monkeypatch):
     """Kernels compile when they first run, so each compile points the code cache at its options'."""
-    from helion_backend.kernels import code_cache
+    from helion_backend import code_cache
 
     try:
         helion_backend.helion_inductor(torch.fx.symbolic_trace(lambda x: x.t()), [randn(2, 2)],

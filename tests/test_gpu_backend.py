@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import helion_backend
+from helion_backend import tables
 
 pytestmark = pytest.mark.gpu
 
@@ -98,7 +99,7 @@ def write_user_table(cache_dir, leads: dict[int, float], k: int = K, n: int = N)
                for m, lead in leads.items()]
     folder = cache_dir / "configs"
     folder.mkdir(parents=True)
-    (folder / f"{configs.gpu_key(torch.device('cuda'))}.json").write_text(json.dumps({"entries": entries}))
+    (folder / f"{tables.gpu_key(torch.device('cuda'))}.json").write_text(json.dumps({"entries": entries}))
     configs.forget_tables()
 
 

@@ -816,7 +816,7 @@ def test_decode_attention_default_config_fills_the_gpu(batch_heads, kv_len, spli
 
 
 # --------------------------------------------------------------------------------------------------
-# The code cache (helion_backend/kernels/code_cache.py): a later process loads the generated code instead of binding.
+# The code cache (helion_backend/code_cache.py): a later process loads the generated code instead of binding.
 
 CACHE_CASE = (4, 64, 48, torch.float32, "nk", ("bias", "relu"))  # m, k, n, dtype, layout, steps
 
@@ -824,7 +824,7 @@ CACHE_CASE = (4, 64, 48, torch.float32, "nk", ("bias", "relu"))  # m, k, n, dtyp
 @pytest.fixture
 def code_cache_dir(tmp_path, monkeypatch):
     """An empty code cache and a fresh process for the test; the process's own cache again afterwards."""
-    from helion_backend.kernels import code_cache
+    from helion_backend import code_cache
     from helion_backend.options import BackendOptions
 
     new_process(monkeypatch)
@@ -889,8 +889,8 @@ def test_another_signature_or_config_misses(code_cache_dir, monkeypatch):
 def test_the_key_covers_the_sources_versions_device_and_settings(code_cache_dir):
     import triton
 
-    from helion_backend.compile.manager import package_digest
-    from helion_backend.kernels import code_cache
+    from helion_backend import code_cache
+    from helion_backend.environment import package_digest
 
     x = torch.randn(2, 8)
     key = code_cache.entry(gemm.gemm_kernel, ("gemm_kernel", "signature"), (x,)).key
@@ -921,7 +921,7 @@ def test_a_damaged_entry_warns_binds_and_is_replaced(code_cache_dir, monkeypatch
     path.write_text(_damage(path.read_text(), how))
     new_process(monkeypatch)
     binds = recorded_binds(monkeypatch)
-    with caplog.at_level("WARNING", logger="helion_backend.kernels.code_cache"):
+    with caplog.at_level("WARNING", logger="helion_backend.code_cache"):
         out, ref = run(*CACHE_CASE, 1)
     assert rel_err(out, ref) <= TOLERANCE[torch.float32]
     assert binds == ["gemm_kernel"] and f"ignoring the kernel code cache entry {path}" in caplog.text
@@ -931,7 +931,7 @@ def test_a_damaged_entry_warns_binds_and_is_replaced(code_cache_dir, monkeypatch
 
 
 def test_the_code_cache_can_be_turned_off(code_cache_dir, monkeypatch):
-    from helion_backend.kernels import code_cache
+    from helion_backend import code_cache
     from helion_backend.options import BackendOptions
 
     run(*CACHE_CASE, 1)

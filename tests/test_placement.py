@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helion_backend import environment, tables
 from helion_backend.compile.passes import placement
 from helion_backend.kernels import configs
 from helion_backend.options import BackendOptions
-from helion_backend.runtime import dispatch
 
 CUDA = torch.device("cuda")  # a device object only: nothing runs on it here
 K, N = 4096, 1024
@@ -31,9 +31,9 @@ def timed(m: int, lead: float, k: int = K, n: int = N) -> dict:
 @pytest.fixture
 def table(tmp_path, monkeypatch):
     """Writes the shipped table of a fake GPU (no user table), with Helion available."""
-    monkeypatch.setattr(configs, "TUNED_DIR", tmp_path)
-    monkeypatch.setattr(configs, "gpu_key", lambda device: "test_gpu")
-    monkeypatch.setattr(dispatch, "helion_unavailable_reason", lambda: None)
+    monkeypatch.setattr(tables, "TUNED_DIR", tmp_path)
+    monkeypatch.setattr(tables, "gpu_key", lambda device: "test_gpu")
+    monkeypatch.setattr(environment, "helion_unavailable_reason", lambda: None)
     configs.forget_tables()
 
     def write(*entries: dict) -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import benchmarks.common
+from helion_backend import tables
 from helion_backend.__main__ import main
 from helion_backend.kernels import configs
 from helion_backend.kernels.gemm import Layout, Signature, check_operands, norm_kernel_config
@@ -286,8 +287,8 @@ def test_fastest_valid_drops_wrong_and_failing_configs():
 @pytest.fixture
 def cpu_table_dir(tmp_path, monkeypatch):
     """Config tables read as if this CPU were a GPU called test_gpu, with no shipped table."""
-    monkeypatch.setattr(configs, "TUNED_DIR", tmp_path / "shipped")
-    monkeypatch.setattr(configs, "gpu_key", lambda device: "test_gpu")
+    monkeypatch.setattr(tables, "TUNED_DIR", tmp_path / "shipped")
+    monkeypatch.setattr(tables, "gpu_key", lambda device: "test_gpu")
     configs.forget_tables()
     yield tmp_path / "configs"
     configs.forget_tables()
@@ -354,7 +355,7 @@ def test_tune_key_validates_every_split_and_writes_an_entry_the_backend_loads(cp
     ConfigTable.load(cpu_table_dir / "test_gpu.json", "cmd").put(entry, tuning.table_metadata(torch.device("cpu")))
     user_dir = str(cpu_table_dir)
     assert configs.config_for(4, 2048, 64, torch.bfloat16, CUDA, user_dir) == tuned[1]
-    decided = configs.decision(4, 2048, 64, torch.bfloat16, CUDA, user_dir)
+    decided = tables.decision(4, 2048, 64, torch.bfloat16, CUDA, user_dir)
     assert (decided.evidence, decided.helion, decided.lead) == ("exact", True, 1.5)  # 4.5 us against 3.0
 
 
@@ -620,7 +621,7 @@ def fake_gpu(monkeypatch):
     """A CUDA device as far as the command's checks go, whose keys tune to a fixed entry."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(configs, "gpu_key", lambda device: "test_gpu")
+    monkeypatch.setattr(tables, "gpu_key", lambda device: "test_gpu")
     monkeypatch.setattr(tuning, "table_metadata", lambda device: {"device": "test"})
     monkeypatch.setattr(tuning, "tune_key", lambda key, **kwargs: fake_entry(key))
     monkeypatch.setattr(tuning, "default_tune_jobs", lambda: 1)  # --jobs: tests/test_tuning_warmup.py
@@ -678,7 +679,7 @@ def test_tune_one_small_key_end_to_end(tmp_path, capsys):
     manifest = write_manifest(tmp_path / "manifest.json", [site])
     assert main(["tune", str(manifest), "--effort", "quick", "--budget-per-key", "20"]) == 0
     user_dir = tmp_path / "configs"
-    table = json.loads((user_dir / f"{configs.gpu_key(CUDA)}.json").read_text())
+    table = json.loads((user_dir / f"{tables.gpu_key(CUDA)}.json").read_text())
     (entry,) = table["entries"]
     assert (entry["dtype"], entry["k"], entry["n"], entry["m"]) == ("bfloat16", 1024, 256, 4)
     assert entry["us"] > 0 and entry["fallback_us"] > 0 and entry["error"] <= tuning.TOLERANCE

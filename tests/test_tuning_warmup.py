@@ -18,9 +18,8 @@ import warmup_fakes
 from test_tuning import FakeClock, fake_entry, key, run_loop, write_manifest
 from warmup_fakes import HANG_M
 
-from helion_backend import options
+from helion_backend import options, tables
 from helion_backend.__main__ import main
-from helion_backend.kernels import configs
 from helion_backend.manifest import ManifestSite
 from helion_backend.tuning import loop as tuning
 from helion_backend.tuning import warmup as tuning_warmup
@@ -184,7 +183,7 @@ def fake_gpu(monkeypatch):
     timing of each key recorded in ``timed``."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(configs, "gpu_key", lambda device: "test_gpu")
+    monkeypatch.setattr(tables, "gpu_key", lambda device: "test_gpu")
     monkeypatch.setattr(tuning, "table_metadata", lambda device: {"device": "test"})
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     timed = []

@@ -250,7 +250,7 @@ def test_relative_error_counts_mismatched_non_finite_values_as_divergence():
 # PYTHONPATH (a test hook outside the package) makes Helion "available" on the CPU and the N=32 site's
 # kernel wrong, as FakeKernels does here.
 WRONG_KERNEL_SITECUSTOMIZE = '''
-from helion_backend import dispatch
+from helion_backend.runtime import dispatch
 
 def wrong_kernel(kernel, x, w_kn, steps, operands, scalars, out_dtype, config_dir=None, program=None,
                  up_kn=None, *, weight_scale=None, norm=None, up_steps=()):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Union
 import torch
 import torch.fx as fx
 
+from helion_backend.compile.recognize.step import Step
 from helion_backend.vocabulary import ACTIVATION_QUANT_STEPS
 
 if TYPE_CHECKING:
@@ -26,22 +27,6 @@ if TYPE_CHECKING:
     from helion_backend.semantics.quant_program import QuantProgram
 
 Dim = Union[int, torch.SymInt]
-
-
-@dataclass
-class Step:
-    """One recognized epilogue step: the nodes it spans and what it reads besides the value."""
-
-    name: str
-    nodes: list[fx.Node]  # every node of the step, ``out`` last
-    operand: fx.Node | None = None
-    scalar: float | None = None
-    # Transparent steps (reshapes between the GEMM and its epilogue) carry no vocabulary name.
-    transparent: bool = False
-
-    @property
-    def out(self) -> fx.Node:
-        return self.nodes[-1]
 
 
 def token_scale(steps: Sequence[Step]) -> fx.Node | None:

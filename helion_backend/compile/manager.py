@@ -8,7 +8,6 @@ under other rules or by other pass code (an edited install keeps its version num
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import itertools
 import json
@@ -20,7 +19,7 @@ import sympy
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from helion_backend import __version__, logs
+from helion_backend import logs, tables
 from helion_backend.compile.context import (
     AttentionSite,
     GemmSite,
@@ -32,6 +31,7 @@ from helion_backend.compile.graph_drawing import GraphSketch, Picture, draw
 from helion_backend.compile.passes import ANALYSIS, TRANSFORMS
 from helion_backend.compile.provenance import model_location
 from helion_backend.compile.rules import builtin_rule_files, load_rules, rules_digest
+from helion_backend.environment import package_digest
 from helion_backend.manifest import ManifestSite, record_sites
 from helion_backend.options import BackendOptions
 from helion_backend.report import (
@@ -43,25 +43,11 @@ from helion_backend.report import (
     record,
     write_dump,
 )
-from helion_backend.runtime import dispatch
+from helion_backend.version import __version__
 from helion_backend.vocabulary import dtype_name
 
 log = logging.getLogger(__name__)
 _graph_ids = itertools.count()
-
-
-def source_digest(root: Path) -> str:
-    """sha256 of the Python sources under ``root`` (paths and contents, in a stable order)."""
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()
-
-
-@functools.cache  # once per process: the sources do not change under a running compile
-def package_digest() -> str:
-    """The digest of this package's sources: the passes decide what a cached graph holds."""
-    return source_digest(Path(__file__).resolve().parents[1])
 
 
 class HelionPassManager(CustomGraphPass):
@@ -79,7 +65,7 @@ class HelionPassManager(CustomGraphPass):
                     "rules": rules_digest(self.rule_files),
                     # The fused op reads user-tuned configs from here; their contents decide placement.
                     "config_dir": options.config_dir,
-                    "placement": dispatch.placement_digest(options.config_dir),
+                    "placement": tables.placement_digest(options.config_dir),
                     "tf32": self.tf32,
                 },
                 sort_keys=True,

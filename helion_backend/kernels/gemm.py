@@ -30,7 +30,7 @@ import helion.language as hl
 import torch
 from helion.autotuner import PowerOfTwoFragment
 
-from helion_backend.kernels import code_cache
+from helion_backend import code_cache
 from helion_backend.kernels.configs import EPILOGUE_CONFIG, GEMV, PREQUANTIZE, config_for, split_key
 
 # Device code reaches ``apply_epilogue`` as an attribute of this module object, never as a bare name:
@@ -465,7 +465,7 @@ def compiled_kernel(
 def _load_or_compile(
     kernel: helion.Kernel, args: tuple[object, ...], key: Hashable, config: helion.Config
 ) -> Callable[..., None]:
-    """The host function from the code cache (:mod:`helion_backend.kernels.code_cache`), else compiled by binding
+    """The host function from the code cache (:mod:`helion_backend.code_cache`), else compiled by binding
     ``args`` and then stored for the next process."""
     entry = code_cache.entry(kernel, key, args)
     if entry is not None and (run := entry.load()) is not None:

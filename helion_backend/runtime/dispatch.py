@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import functools
 import gc
-import importlib.util
 import logging
 import math
 import traceback
@@ -13,7 +11,7 @@ from typing import Callable, Sequence, TypeVar
 import torch
 
 from helion_backend import report
-from helion_backend.policy import Decision
+from helion_backend.environment import helion_unavailable_reason
 from helion_backend.runtime import verify
 from helion_backend.semantics.epilogue import (
     apply_epilogue,
@@ -26,7 +24,6 @@ from helion_backend.semantics.epilogue import (
 from helion_backend.semantics.norm import RmsNormSpec, parse_spec, rms_norm
 from helion_backend.semantics.quant_program import QuantProgram, parse_program, quantize_rows
 from helion_backend.vocabulary import (
-    DEFAULT_KERNEL_FAMILY,
     FP8_BLOCK,
     INT4_HIGH_SHIFT,
     INT4_LOW_MASK,
@@ -44,38 +41,6 @@ T = TypeVar("T")
 # (site, M) -> why its Helion kernel failed, or why its output is not trusted (option verify); those calls
 # run the reference from then on.
 _FAILED: dict[tuple[str, int], str] = {}
-
-
-@functools.cache
-def helion_unavailable_reason() -> str | None:
-    """None when Helion kernels can run here, else why not (shown in the report)."""
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    if importlib.util.find_spec("helion") is None:
-        return "helion is not installed"
-    return None
-
-
-def placement_digest(config_dir: str) -> str:
-    """What, besides options and rules, decides where a site runs: the GPU config tables (no GPU: none)."""
-    if helion_unavailable_reason() is not None:
-        return ""
-    from helion_backend.kernels.configs import tables_digest
-
-    return tables_digest(config_dir)
-
-
-def placement_decision(
-    m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, config_dir: str,
-    kernel: str = DEFAULT_KERNEL_FAMILY,
-) -> Decision | None:
-    """What the config tables say about running this key on Helion (:func:`.kernels.configs.decision`);
-    None off CUDA or without Helion, where no table applies."""
-    if device.type != "cuda" or helion_unavailable_reason() is not None:
-        return None
-    from helion_backend.kernels.configs import decision
-
-    return decision(m, k, n, dtype, device, config_dir or None, kernel)
 
 
 def run_gemm_epilogue(

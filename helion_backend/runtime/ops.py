@@ -13,9 +13,7 @@ from __future__ import annotations
 import torch
 
 from helion_backend.runtime import dispatch
-from helion_backend.vocabulary import MULTI_GEMM_FAMILY
-
-OP_NAMESPACE = "helion_inductor"
+from helion_backend.vocabulary import MULTI_GEMM_FAMILY, OP_NAMESPACE
 
 
 @torch.library.custom_op(f"{OP_NAMESPACE}::gemm_epilogue", mutates_args=())

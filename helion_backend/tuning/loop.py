@@ -62,6 +62,7 @@ import helion
 import torch
 from torch.utils._pytree import tree_leaves
 
+from helion_backend import tables
 from helion_backend.jsonfile import write_json_atomic
 from helion_backend.kernels import configs
 from helion_backend.manifest import ManifestError, ManifestSite, read_manifest
@@ -504,7 +505,7 @@ def missing_keys(sites: Sequence[ManifestSite], device: torch.device, config_dir
     """The keys of ``sites`` (dynamic M: :data:`DEFAULT_NUM_TOKENS` up to the limit) that neither the shipped
     nor the user table of ``device`` holds exactly; a neighbouring M's entry does not count."""
     return [key for key in expand_keys(sites, DEFAULT_NUM_TOKENS)
-            if not configs.has_entry(*key.table_key, device, config_dir or None)]
+            if not tables.has_entry(*key.table_key, device, config_dir or None)]
 
 
 class _LogLines(io.TextIOBase):
@@ -547,7 +548,7 @@ def tune_missing(sites: Sequence[ManifestSite], options: BackendOptions, device:
             raise
         outcomes[key.table_key] = (f"{key}: tuned in {format_duration(time.monotonic() - start)}, {entry['us']} us "
                                    f"(torch.compile {entry['fallback_us']} us)")
-        return {**entry, configs.CALIBRATED: True}  # the site report's evidence "calibrated"
+        return {**entry, tables.CALIBRATED: True}  # the site report's evidence "calibrated"
 
     start = time.monotonic()
     log.warning("helion_inductor: autotune_missing: autotuning %d key(s) no config table holds (%s) before the "
@@ -685,7 +686,7 @@ def table_path(args: argparse.Namespace, device: torch.device) -> Path:
 
 def user_table(config_dir: str, device: torch.device) -> Path:
     """The user table of ``device`` in ``config_dir``, its folder created (the one lookups read first)."""
-    return _writable_table(Path(config_dir) / f"{configs.gpu_key(device)}.json")
+    return _writable_table(Path(config_dir) / f"{tables.gpu_key(device)}.json")
 
 
 def run_command(args: argparse.Namespace) -> int:

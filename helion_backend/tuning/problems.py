@@ -40,6 +40,7 @@ from typing import Any
 import helion
 import torch
 
+from helion_backend.compile.trace import trace_sites
 from helion_backend.kernels import configs, run_kernel
 from helion_backend.kernels.gemm import (
     Launch,
@@ -401,10 +402,6 @@ def _quantized_layer(family: str, k: int, n: int, bias: bool, device: torch.devi
 
 
 def _trace(layer: torch.nn.Module, x: torch.Tensor, fuse_activation_quant: bool) -> Any:
-    from helion_backend.compile.trace import (
-        trace_sites,  # the passes import the kernels: not at module import
-    )
-
     (site,) = trace_sites(layer, x, fuse_activation_quant=fuse_activation_quant)
     return site
 

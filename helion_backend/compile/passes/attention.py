@@ -19,9 +19,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from helion_backend import environment
 from helion_backend.compile.context import AttentionSite, PassContext
 from helion_backend.compile.recognize.patterns import val
-from helion_backend.runtime import dispatch
 from helion_backend.vocabulary import ATTENTION_DTYPES, ATTENTION_MAX_HEAD_DIM, SDPA_OPS, dtype_name
 
 aten = torch.ops.aten
@@ -150,7 +150,7 @@ def _place(site: AttentionSite, arguments: dict[str, Any], ctx: PassContext) -> 
         return "inductor", problem
     device = val(site.query).device
     if device.type == "cuda":
-        unavailable = dispatch.helion_unavailable_reason()
+        unavailable = environment.helion_unavailable_reason()
         return ("reference", unavailable) if unavailable else ("helion", None)
     if ctx.options.rewrite_on_cpu:
         return "reference", f"no Helion kernel on {device.type}: rewrite_on_cpu runs the reference"

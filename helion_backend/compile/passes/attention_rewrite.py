@@ -3,15 +3,10 @@
 
 from __future__ import annotations
 
-import torch
-
 from helion_backend.compile.context import PassContext
-from helion_backend.compile.passes.rewrite import insert_call
+from helion_backend.compile.graph_edit import fused_op, insert_call
 from helion_backend.compile.recognize.patterns import val
 from helion_backend.report import site_id
-from helion_backend.runtime.ops import OP_NAMESPACE
-
-ATTENTION_OP = getattr(torch.ops, OP_NAMESPACE).decode_attention.default
 
 
 def run(ctx: PassContext) -> None:
@@ -20,7 +15,7 @@ def run(ctx: PassContext) -> None:
             continue
         try:
             with ctx.graph.inserting_before(site.output):
-                fused = insert_call(ctx.graph, ATTENTION_OP, (
+                fused = insert_call(ctx.graph, fused_op("decode_attention"), (
                     site.query, site.key, site.value, site.mask, site.scale, site.masked_bias,
                     list(val(site.output).stride()),
                     site_id(ctx.report.graph, site.node.name),

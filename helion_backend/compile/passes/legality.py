@@ -12,9 +12,10 @@ from __future__ import annotations
 import networkx as nx
 import torch.fx as fx
 
-from helion_backend.compile.context import GemmSite, PassContext, Step
+from helion_backend.compile.context import GemmSite, PassContext
 from helion_backend.compile.passes.match import choose_rule
 from helion_backend.compile.recognize.patterns import val
+from helion_backend.compile.recognize.step import Step
 from helion_backend.vocabulary import SUPPORTED_DTYPES
 
 

@@ -15,10 +15,11 @@ from typing import Sequence
 
 import torch.fx as fx
 
-from helion_backend.compile.context import GemmSite, PassContext, Step
+from helion_backend.compile.context import GemmSite, PassContext
 from helion_backend.compile.recognize.norm_patterns import find_rmsnorm
 from helion_backend.compile.recognize.patterns import collective_between, next_step, val
 from helion_backend.compile.recognize.quant_patterns import activation_quant, activation_quant_problem
+from helion_backend.compile.recognize.step import Step
 from helion_backend.compile.rules import Rule
 from helion_backend.vocabulary import (
     ACTIVATION_QUANT_STEPS,

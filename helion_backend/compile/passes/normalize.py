@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from helion_backend.compile.context import GemmSite, PassContext, Step
+from helion_backend.compile.context import GemmSite, PassContext
 from helion_backend.compile.recognize.patterns import operand_kind, same_shape, val
 from helion_backend.compile.recognize.quant_patterns import (
     BlockFp8Operands,
@@ -27,6 +27,7 @@ from helion_backend.compile.recognize.quant_patterns import (
     block_scaled_mm_operands,
     int4_weight_dequant,
 )
+from helion_backend.compile.recognize.step import Step
 from helion_backend.vocabulary import ANCHOR_OPS, FP8_BLOCK, SUPPORTED_DTYPES, Anchor, Operand
 
 aten = torch.ops.aten

@@ -8,12 +8,12 @@ from typing import NamedTuple
 
 import torch
 
+from helion_backend import environment, tables
 from helion_backend.compile.context import GemmSite, PassContext
 from helion_backend.compile.provenance import model_location
 from helion_backend.compile.recognize.patterns import gathered_input, reduce_scattered_output
 from helion_backend.options import DEFAULT_NUM_TOKENS, UNTUNED_HELION, BackendOptions
 from helion_backend.policy import NO_EVIDENCE, Decision
-from helion_backend.runtime import dispatch
 from helion_backend.semantics.norm import FUSED_DTYPES
 from helion_backend.vocabulary import EVIDENCE_NONE, dtype_name
 
@@ -110,7 +110,7 @@ def place(site: GemmSite, ctx: PassContext, kernel: str, n: int) -> Placement:
                              "reference", options.max_helion_size)
         return Placement("inductor", f"{site.device.type} graph: left to Inductor (option rewrite_on_cpu "
                          "rewrites it to the reference)", options.max_helion_size)
-    problem = dispatch.helion_unavailable_reason()
+    problem = environment.helion_unavailable_reason()
     if problem:
         return Placement("reference", problem, options.max_helion_size)
     if site.static_m is not None:
@@ -119,7 +119,7 @@ def place(site: GemmSite, ctx: PassContext, kernel: str, n: int) -> Placement:
 
 
 def _decide(m: int, site: GemmSite, ctx: PassContext, kernel: str, n: int) -> Decision:
-    decided = dispatch.placement_decision(m, site.k, n, site.dtype, site.device, ctx.options.config_dir, kernel)
+    decided = tables.placement_decision(m, site.k, n, site.dtype, site.device, ctx.options.config_dir, kernel)
     return NO_EVIDENCE if decided is None else decided
 
 

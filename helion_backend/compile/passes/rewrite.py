@@ -7,22 +7,17 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
-from torch.utils._pytree import tree_leaves
 
 from helion_backend.compile.context import GemmSite, PassContext, SiteGroup
-from helion_backend.compile.provenance import keep_origin
+from helion_backend.compile.graph_edit import fused_op, insert_call
 from helion_backend.compile.recognize.patterns import val
 from helion_backend.report import site_id
-from helion_backend.runtime.ops import OP_NAMESPACE
 from helion_backend.semantics.epilogue import format_epilogues, format_steps
 
 if TYPE_CHECKING:
     from helion_backend.compile.recognize.norm_patterns import RmsNormMatch
 
 aten = torch.ops.aten
-FUSED_OP = getattr(torch.ops, OP_NAMESPACE).gemm_epilogue.default
-MULTI_OP = getattr(torch.ops, OP_NAMESPACE).multi_gemm_epilogue.default
 
 
 def run(ctx: PassContext) -> None:
@@ -74,7 +69,7 @@ def _replace(graph: fx.Graph, site: GemmSite, config_dir: str, name: str, replac
             *_norm_args(norm),
             *([format_steps([s.name for s in site.up_steps])] if site.up_steps else []),
         ), lambda node: replaced.get(node, node))
-        fused = insert_call(graph, FUSED_OP, args, origin=site.anchor)
+        fused = insert_call(graph, fused_op("gemm_epilogue"), args, origin=site.anchor)
         _take_output(graph, site, fused, replaced)
 
 
@@ -101,7 +96,7 @@ def _replace_group(graph: fx.Graph, group: SiteGroup, config_dir: str, name: str
             *_norm_args(norm),
             group.family,
         ), lambda node: replaced.get(node, node))
-        fused = insert_call(graph, MULTI_OP, args, origin=leader.anchor)
+        fused = insert_call(graph, fused_op("multi_gemm_epilogue"), args, origin=leader.anchor)
         for i, site in enumerate(sites):
             _take_output(graph, site, insert_call(graph, operator.getitem, (fused, i), origin=site.anchor), replaced)
 
@@ -137,15 +132,3 @@ def _take_output(graph: fx.Graph, site: GemmSite, result: fx.Node, replaced: dic
         result = insert_call(graph, aten.view.default, (result, reshapes[-1].out.args[1]), origin=reshapes[-1].out)
     site.output.replace_all_uses_with(result)
     replaced[site.output] = result
-
-
-def insert_call(graph: fx.Graph, target, args: tuple, *, origin: fx.Node | None = None) -> fx.Node:
-    """A call of ``target`` at the graph's insertion point, with its fake value in ``meta["val"]`` and, given
-    the node whose work it takes over (``origin``), that node's trace of the model."""
-    node = graph.call_function(target, args)
-    if origin is not None:
-        keep_origin(node, origin)
-    vals = fx.node.map_arg(args, lambda n: n.meta["val"])
-    with detect_fake_mode(tree_leaves(vals)):
-        node.meta["val"] = target(*vals)
-    return node

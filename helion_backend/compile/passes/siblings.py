@@ -27,10 +27,11 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from helion_backend.compile.context import GemmSite, PassContext, Step, token_scale, with_token_scale
+from helion_backend.compile.context import GemmSite, PassContext, token_scale, with_token_scale
 from helion_backend.compile.passes.match import choose_rule, collective_note, follow_chain
 from helion_backend.compile.recognize.patterns import RESHAPES, activation_identity, collective_between
 from helion_backend.compile.recognize.quant_patterns import quantized_rows, rows_without_scale
+from helion_backend.compile.recognize.step import Step
 from helion_backend.vocabulary import (
     ACTIVATIONS,
     GLU_FAMILIES,

@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from helion_backend.compile.context import Step
+from helion_backend.compile.recognize.step import Step
 from helion_backend.semantics.epilogue import ACTIVATION_FORMULAS
 from helion_backend.vocabulary import COLLECTIVE_NAMESPACES, SUPPORTED_DTYPES, Operand
 
