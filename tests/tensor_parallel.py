@@ -257,14 +257,14 @@ def record_collective_schedules(schedules: list[dict[str, Any]]) -> None:
 def place_as_on_cuda() -> None:
     """Place sites where a CUDA compile would send them to Helion (the fused op still runs the reference on the
     CPU), so that the manifest records them as a GPU rank would."""
-    from helion_backend.compile.passes import placement, shared_input
+    from helion_backend.compile import placing
 
-    place = placement.place
+    place = placing.place
 
     def on_helion(site, ctx, kernel, n):
-        return placement.Placement("helion", None, place(site, ctx, kernel, n).helion_limit)
+        return placing.Placement("helion", None, place(site, ctx, kernel, n).helion_limit)
 
-    placement.place = shared_input.place = on_helion
+    placing.place = on_helion
 
 
 # --------------------------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from helpers import DEVICE, DEVICE_OPTIONS, TOLERANCE, rel_err, sites
 
 import helion_backend
 from helion_backend.compile.passes.cleanup import ALSO_RUNS_NOTE
-from helion_backend.compile.passes.placement import MIN_KERNEL_K
+from helion_backend.compile.placing import MIN_KERNEL_K
 from helion_backend.compile.rules import builtin_rule_files, load_rules
 from helion_backend.options import BackendOptions
 from helion_backend.report import GraphReport, SiteReport

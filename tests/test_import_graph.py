@@ -190,3 +190,12 @@ def test_importing_the_package_and_reading_a_config_table_do_not_import_helion()
                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_no_pass_imports_another_pass():
+    """Passes talk through the PassContext; what two of them need lives in a helper module."""
+    passes = [m for m in MODULES if m.startswith("helion_backend.compile.passes.")]
+    assert len(passes) == 10
+    crossing = [f"{s}:{i.line} imports {i.target}" for s in passes for i in internal(s)
+                if i.target.startswith("helion_backend.compile.passes") and i.target != s]
+    assert crossing == []

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helion_backend import environment, tables
-from helion_backend.compile.passes import placement
+from helion_backend.compile import placing
 from helion_backend.kernels import configs
 from helion_backend.options import BackendOptions
 
@@ -44,10 +44,10 @@ def table(tmp_path, monkeypatch):
     configs.forget_tables()
 
 
-def place(m: int | None, k: int = K, n: int = N, **options) -> placement.Placement:
+def place(m: int | None, k: int = K, n: int = N, **options) -> placing.Placement:
     site = SimpleNamespace(k=k, dtype=torch.bfloat16, device=CUDA, static_m=m)
     ctx = SimpleNamespace(options=BackendOptions(cache_dir="/nonexistent", **options))
-    return placement.place(site, ctx, "gemm", n)
+    return placing.place(site, ctx, "gemm", n)
 
 
 def test_a_static_m_the_table_measured_helion_winning_runs_helion(table):
@@ -133,17 +133,17 @@ def test_the_option_is_checked():
         BackendOptions.from_user({"untuned_sites": "cublas"})
 
 
-def place_site(k: int, dtype: torch.dtype, tf32: bool) -> placement.Placement:
+def place_site(k: int, dtype: torch.dtype, tf32: bool) -> placing.Placement:
     site = SimpleNamespace(k=k, dtype=dtype, device=CUDA, static_m=1)
     ctx = SimpleNamespace(options=BackendOptions(cache_dir="/nonexistent", untuned_sites="helion"), tf32=tf32)
-    return placement.place(site, ctx, "gemm", N)
+    return placing.place(site, ctx, "gemm", N)
 
 
-@pytest.mark.parametrize("k", [1, 7, placement.MIN_KERNEL_K - 1])
+@pytest.mark.parametrize("k", [1, 7, placing.MIN_KERNEL_K - 1])
 def test_a_k_too_short_for_a_dot_stays_with_inductor(table, k):
     placed = place_site(k, torch.bfloat16, tf32=False)
-    assert placed.runs_on == "inductor" and f"K={k} < {placement.MIN_KERNEL_K}" in placed.why
-    assert place_site(placement.MIN_KERNEL_K, torch.bfloat16, tf32=False).runs_on == "helion"
+    assert placed.runs_on == "inductor" and f"K={k} < {placing.MIN_KERNEL_K}" in placed.why
+    assert place_site(placing.MIN_KERNEL_K, torch.bfloat16, tf32=False).runs_on == "helion"
 
 
 def test_float32_follows_pytorchs_tf32_setting(table):

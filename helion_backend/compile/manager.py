@@ -8,11 +8,13 @@ under other rules or by other pass code (an edited install keeps its version num
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import itertools
 import json
 import logging
 import math
+import time
 from pathlib import Path
 
 import sympy
@@ -28,6 +30,7 @@ from helion_backend.compile.context import (
     tf32_matmuls_allowed,
 )
 from helion_backend.compile.graph_drawing import GraphSketch, Picture, draw
+from helion_backend.compile.graph_pass import GraphPass
 from helion_backend.compile.passes import ANALYSIS, TRANSFORMS
 from helion_backend.compile.provenance import model_location
 from helion_backend.compile.rules import builtin_rule_files, load_rules, rules_digest
@@ -56,6 +59,9 @@ class HelionPassManager(CustomGraphPass):
         self.rule_files = [*(builtin_rule_files() if options.builtin_rules else []), *map(Path, options.rules)]
         self.rules = sorted(load_rules(self.rule_files), key=lambda r: -r.priority)
         self.tf32 = tf32_matmuls_allowed()
+        # The switches of the passes, read once here: the uuid covers the options that set them.
+        self.analysis = [stage for stage in ANALYSIS if stage.enabled(options)]
+        self.transforms = [stage for stage in TRANSFORMS if stage.enabled(options)]
         self._uuid = hashlib.sha256(
             json.dumps(
                 {
@@ -90,17 +96,18 @@ class HelionPassManager(CustomGraphPass):
         before = _readable(graph) if graph_text else ""
         sketch = GraphSketch.of(graph) if dump_dirs else None
         ctx = PassContext(graph=graph, options=self.options, rules=self.rules, report=report, tf32=self.tf32)
+        trail = _PassTrail(ctx) if dump_dirs else None
         try:
-            for stage in ANALYSIS:
-                stage.run(ctx)
+            for stage in self.analysis:
+                _run_pass(stage, ctx, trail)
         except Exception as e:  # a bug of ours must not fail a compile that plain Inductor would pass
-            report.error = f"{stage.__name__.rsplit('.', 1)[-1]}: {type(e).__name__}: {e}"
+            report.error = f"{stage.name}: {type(e).__name__}: {e}"
             log.warning("helion_inductor: %s failed on %s; the graph is left to Inductor unchanged",
                         report.error, report.graph, exc_info=True)
             ctx.sites.clear()
             ctx.attention.clear()
-        for stage in TRANSFORMS:
-            stage.run(ctx)
+        for stage in self.transforms:
+            _run_pass(stage, ctx, trail)
         _fill_report(ctx)
         picture = _picture(sketch, ctx) if sketch is not None else None
         report.picture = picture.note if picture is not None else None
@@ -119,6 +126,7 @@ class HelionPassManager(CustomGraphPass):
         for directory in dump_dirs:
             write_dump(directory, report, before, after)
             picture.write(directory)
+            trail.write(directory / "passes")
         logs.publish(report, before, after)
 
     def _dump_dirs(self, report: GraphReport) -> list[Path]:
@@ -129,6 +137,59 @@ class HelionPassManager(CustomGraphPass):
         if inductor_dir is not None:
             dirs.append(inductor_dir / "helion_inductor")
         return dirs
+
+
+def _run_pass(stage: GraphPass, ctx: PassContext, trail: _PassTrail | None) -> None:
+    """Run one pass, timed (logged at debug level) and, with dumps on, recorded for its own dump."""
+    start = time.perf_counter()
+    try:
+        stage.run(ctx)
+    finally:
+        ms = (time.perf_counter() - start) * 1e3
+        log.debug("helion_inductor: pass %s took %.2f ms on %s", stage.name, ms, ctx.report.graph)
+        if trail is not None:
+            trail.record(stage, ms)
+
+
+class _PassTrail:
+    """What each pass of one graph saw and left (the sites, and the graph where it changed), for the dumps:
+    ``passes/NN_<name>.txt`` per pass. Built only with dumps on."""
+
+    def __init__(self, ctx: PassContext) -> None:
+        self.ctx = ctx
+        self.states = [self._state()]
+        self.records: list[tuple[str, float]] = []
+
+    def _state(self) -> tuple[str, str]:
+        return _sites_text(self.ctx), _readable(self.ctx.graph)
+
+    def record(self, stage: GraphPass, ms: float) -> None:
+        self.records.append((stage.name, ms))
+        self.states.append(self._state())
+
+    def write(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        for i, (name, ms) in enumerate(self.records):
+            (sites_before, graph_before), (sites_after, graph_after) = self.states[i], self.states[i + 1]
+            diff = "".join(difflib.unified_diff(graph_before.splitlines(keepends=True),
+                                                graph_after.splitlines(keepends=True), "before", "after"))
+            (directory / f"{i:02d}_{name}.txt").write_text(
+                f"pass {name}: {ms:.2f} ms\n\n# sites before\n{sites_before}\n\n# sites after\n{sites_after}\n\n"
+                f"# graph\n{diff or 'unchanged'}\n")
+
+
+def _sites_text(ctx: PassContext) -> str:
+    """One line per site: what the passes have decided about it so far."""
+    lines = []
+    for site in ctx.sites:
+        steps = ", ".join(step.name for step in site.chain)
+        prologue = ", ".join(step.name for step in site.prologue)
+        group = f" group={site.group.family}x{len(site.group.sites)}" if site.group is not None else ""
+        lines.append(f"{site.anchor.name}: rule={site.rule.name if site.rule else None} prologue=[{prologue}] "
+                     f"chain=[{steps}] runs_on={site.runs_on} helion_limit={site.helion_limit}{group} "
+                     f"reason={site.reason}")
+    lines += [f"{site.node.name}: attention runs_on={site.runs_on} reason={site.reason}" for site in ctx.attention]
+    return "\n".join(lines) or "(none)"
 
 
 def _fill_report(ctx: PassContext) -> None:

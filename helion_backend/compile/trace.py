@@ -13,8 +13,9 @@ import torch.fx as fx
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from helion_backend.compile import selection
 from helion_backend.compile.context import GemmSite, PassContext
-from helion_backend.compile.passes import match, normalize
+from helion_backend.compile.passes.normalize import NormalizePass
 from helion_backend.options import BackendOptions
 
 
@@ -25,9 +26,9 @@ def trace_sites(fn: Callable[..., Any], *args: Any,
     gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
     _one_node_per_constant(gm.graph)
     ctx = PassContext(graph=gm.graph, options=None, rules=[], report=None)
-    normalize.run(ctx)
+    NormalizePass().run(ctx)
     for site in ctx.sites:
-        match.follow_chain(site, fuse_activation_quant)
+        selection.follow_chain(site, fuse_activation_quant)
     return ctx.sites
 
 

@@ -21,20 +21,24 @@ import torch.fx as fx
 
 from helion_backend import environment
 from helion_backend.compile.context import AttentionSite, PassContext
+from helion_backend.compile.graph_pass import GraphPass
 from helion_backend.compile.recognize.patterns import val
 from helion_backend.vocabulary import ATTENTION_DTYPES, ATTENTION_MAX_HEAD_DIM, SDPA_OPS, dtype_name
 
 aten = torch.ops.aten
 
 
-def run(ctx: PassContext) -> None:
-    for node in ctx.graph.nodes:
-        if node.op == "call_function" and node.target in SDPA_OPS:
-            arguments = _arguments(node)
-            site = _site(node, arguments)
-            if site is not None:
-                site.runs_on, site.reason = _place(site, arguments, ctx)
-                ctx.attention.append(site)
+class AttentionPass(GraphPass):
+    name = "attention"
+
+    def run(self, ctx: PassContext) -> None:
+        for node in ctx.graph.nodes:
+            if node.op == "call_function" and node.target in SDPA_OPS:
+                arguments = _arguments(node)
+                site = _site(node, arguments)
+                if site is not None:
+                    site.runs_on, site.reason = _place(site, arguments, ctx)
+                    ctx.attention.append(site)
 
 
 def _site(node: fx.Node, arguments: dict[str, Any]) -> AttentionSite | None:

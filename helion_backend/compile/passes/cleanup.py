@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 from helion_backend.compile.context import PassContext
+from helion_backend.compile.graph_pass import GraphPass
 
 ALSO_RUNS_NOTE = "the unfused GEMM runs as well"
 
 
-def run(ctx: PassContext) -> None:
-    # Also after a rewrite that failed half-way: what it inserted before failing has no users.
-    if any(site.rule is not None for site in ctx.sites) or any(site.fused is not None for site in ctx.attention):
-        ctx.graph.eliminate_dead_code()
-        ctx.graph.lint()
-        _note_surviving_gemms(ctx)
+class CleanupPass(GraphPass):
+    name = "cleanup"
+
+    def run(self, ctx: PassContext) -> None:
+        # Also after a rewrite that failed half-way: what it inserted before failing has no users.
+        if any(site.rule is not None for site in ctx.sites) or any(site.fused is not None for site in ctx.attention):
+            ctx.graph.eliminate_dead_code()
+            ctx.graph.lint()
+            _note_surviving_gemms(ctx)
 
 
 def _note_surviving_gemms(ctx: PassContext) -> None:

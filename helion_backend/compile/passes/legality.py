@@ -13,34 +13,38 @@ import networkx as nx
 import torch.fx as fx
 
 from helion_backend.compile.context import GemmSite, PassContext
-from helion_backend.compile.passes.match import choose_rule
+from helion_backend.compile.graph_pass import GraphPass
 from helion_backend.compile.recognize.patterns import val
 from helion_backend.compile.recognize.step import Step
+from helion_backend.compile.selection import choose_rule
 from helion_backend.vocabulary import SUPPORTED_DTYPES
 
 
-def run(ctx: PassContext) -> None:
-    matched = [s for s in ctx.sites if s.rule is not None]
-    if not matched:
-        return
-    dataflow = _dataflow_graph(ctx.graph)
-    claimed: set[fx.Node] = set()  # nodes an earlier site swallows (a + b of two GEMMs, say)
-    claimed_outputs: set[fx.Node] = set()  # of those, the ones the fused op will produce
-    for site in matched:
-        if site.prologue and site.x in claimed and site.x not in claimed_outputs:
-            _drop_prologue_inside_earlier_site(site, ctx)
-            if site.rule is None:
-                continue
-        legal, why = _legal_prefix(site, nx.descendants(dataflow, site.anchor), claimed)
-        if len(legal) < len(site.chain):
-            site.notes.append(why)
-            site.chain = legal
-            choose_rule(site, ctx.rules)
-        if site.rule is not None:
-            _check_types(site)
-        if site.rule is not None:
-            claimed.update(node for step in site.chain for node in step.nodes)
-            claimed_outputs.add(site.output)
+class LegalityPass(GraphPass):
+    name = "legality"
+
+    def run(self, ctx: PassContext) -> None:
+        matched = [s for s in ctx.sites if s.rule is not None]
+        if not matched:
+            return
+        dataflow = _dataflow_graph(ctx.graph)
+        claimed: set[fx.Node] = set()  # nodes an earlier site swallows (a + b of two GEMMs, say)
+        claimed_outputs: set[fx.Node] = set()  # of those, the ones the fused op will produce
+        for site in matched:
+            if site.prologue and site.x in claimed and site.x not in claimed_outputs:
+                _drop_prologue_inside_earlier_site(site, ctx)
+                if site.rule is None:
+                    continue
+            legal, why = _legal_prefix(site, nx.descendants(dataflow, site.anchor), claimed)
+            if len(legal) < len(site.chain):
+                site.notes.append(why)
+                site.chain = legal
+                choose_rule(site, ctx.rules)
+            if site.rule is not None:
+                _check_types(site)
+            if site.rule is not None:
+                claimed.update(node for step in site.chain for node in step.nodes)
+                claimed_outputs.add(site.output)
 
 
 def _drop_prologue_inside_earlier_site(site: GemmSite, ctx: PassContext) -> None:

@@ -19,6 +19,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from helion_backend.compile.context import GemmSite, PassContext
+from helion_backend.compile.graph_pass import GraphPass
 from helion_backend.compile.recognize.patterns import operand_kind, same_shape, val
 from helion_backend.compile.recognize.quant_patterns import (
     BlockFp8Operands,
@@ -63,20 +64,23 @@ _INPUT_DTYPES = {
 }
 
 
-def run(ctx: PassContext) -> None:
-    for node in ctx.graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.target in _OP_NAMES:
-            site_or_reason = _describe(node)
-            if isinstance(site_or_reason, GemmSite):
-                ctx.sites.append(site_or_reason)
-            else:
-                ctx.unanchored.append((node, site_or_reason))
-        elif node.target in _OTHER_GEMMS:
-            ctx.unanchored.append((node, f"{node.target} has no rule anchor in this version"))
-        elif node.target in _PACKED_WEIGHT_OPS:
-            ctx.unanchored.append((node, _PACKED_WEIGHT_OPS[node.target]))
+class NormalizePass(GraphPass):
+    name = "normalize"
+
+    def run(self, ctx: PassContext) -> None:
+        for node in ctx.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target in _OP_NAMES:
+                site_or_reason = _describe(node)
+                if isinstance(site_or_reason, GemmSite):
+                    ctx.sites.append(site_or_reason)
+                else:
+                    ctx.unanchored.append((node, site_or_reason))
+            elif node.target in _OTHER_GEMMS:
+                ctx.unanchored.append((node, f"{node.target} has no rule anchor in this version"))
+            elif node.target in _PACKED_WEIGHT_OPS:
+                ctx.unanchored.append((node, _PACKED_WEIGHT_OPS[node.target]))
 
 
 def _describe(node: fx.Node) -> GemmSite | str:

@@ -10,6 +10,7 @@ import torch.fx as fx
 
 from helion_backend.compile.context import GemmSite, PassContext, SiteGroup
 from helion_backend.compile.graph_edit import fused_op, insert_call
+from helion_backend.compile.graph_pass import GraphPass
 from helion_backend.compile.recognize.patterns import val
 from helion_backend.report import site_id
 from helion_backend.semantics.epilogue import format_epilogues, format_steps
@@ -20,27 +21,30 @@ if TYPE_CHECKING:
 aten = torch.ops.aten
 
 
-def run(ctx: PassContext) -> None:
-    # A site may read what an earlier site's rewrite replaced: the down projection's x is the gate site's
-    # product, its residual the attention block's residual sum. ``replace_all_uses_with`` moves the
-    # graph's users, not the nodes a matched site holds, so each site's inputs go through this map.
-    replaced: dict[fx.Node, fx.Node] = {}
-    for site in ctx.sites:
-        if site.rule is None or site.runs_on == "inductor":
-            continue
-        group = site.group
-        if group is not None and site is not group.sites[0]:
-            continue  # rewritten with the first of its group
-        sites = group.sites if group is not None else [site]
-        name = site_id(ctx.report.graph, site.anchor.name)
-        try:
-            if group is not None:
-                _replace_group(ctx.graph, group, ctx.options.config_dir, name, replaced)
-            else:
-                _replace(ctx.graph, site, ctx.options.config_dir, name, replaced)
-        except Exception as e:  # leave the sites to Inductor: nodes inserted before the failure are dead
-            for s in sites:
-                s.runs_on, s.reason, s.fused = "inductor", f"rewrite failed ({type(e).__name__}: {e})", None
+class RewritePass(GraphPass):
+    name = "rewrite"
+
+    def run(self, ctx: PassContext) -> None:
+        # A site may read what an earlier site's rewrite replaced: the down projection's x is the gate site's
+        # product, its residual the attention block's residual sum. ``replace_all_uses_with`` moves the
+        # graph's users, not the nodes a matched site holds, so each site's inputs go through this map.
+        replaced: dict[fx.Node, fx.Node] = {}
+        for site in ctx.sites:
+            if site.rule is None or site.runs_on == "inductor":
+                continue
+            group = site.group
+            if group is not None and site is not group.sites[0]:
+                continue  # rewritten with the first of its group
+            sites = group.sites if group is not None else [site]
+            name = site_id(ctx.report.graph, site.anchor.name)
+            try:
+                if group is not None:
+                    _replace_group(ctx.graph, group, ctx.options.config_dir, name, replaced)
+                else:
+                    _replace(ctx.graph, site, ctx.options.config_dir, name, replaced)
+            except Exception as e:  # leave the sites to Inductor: nodes inserted before the failure are dead
+                for s in sites:
+                    s.runs_on, s.reason, s.fused = "inductor", f"rewrite failed ({type(e).__name__}: {e})", None
 
 
 def _replace(graph: fx.Graph, site: GemmSite, config_dir: str, name: str, replaced: dict[fx.Node, fx.Node]) -> None:

@@ -24,31 +24,37 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from helion_backend.compile import placing
 from helion_backend.compile.context import GemmSite, PassContext, SiteGroup, token_scale, with_token_scale
-from helion_backend.compile.passes.match import collective_note
-from helion_backend.compile.passes.placement import place
+from helion_backend.compile.graph_pass import GraphPass
 from helion_backend.compile.recognize.patterns import activation_identity, collective_between, val
 from helion_backend.compile.recognize.quant_patterns import quantized_rows, rows_without_scale
+from helion_backend.compile.selection import collective_note
+from helion_backend.options import BackendOptions
 from helion_backend.vocabulary import MULTI_GEMM_FAMILIES, MULTI_GEMM_SLOTS, QUANT_DTYPES, RMSNORM
 
 
-def run(ctx: PassContext) -> None:
-    if not ctx.options.merge_siblings:
-        return
-    by_activation: dict[tuple, list[GemmSite]] = {}
-    for site in ctx.sites:
-        if _eligible(site):
-            by_activation.setdefault(_activation_key(site), []).append(site)
-    if not any(len(sites) > 1 for sites in by_activation.values()):
-        return
-    _note_other_token_scales(by_activation)
-    position = {node: i for i, node in enumerate(ctx.graph.nodes)}
-    for sites in by_activation.values():
-        sites.sort(key=lambda s: position[s.anchor])
-        for start in range(0, len(sites) - 1, MULTI_GEMM_SLOTS):
-            chunk = sites[start:start + MULTI_GEMM_SLOTS]
-            if len(chunk) > 1:
-                _group(chunk, ctx, position)
+class SharedInputPass(GraphPass):
+    name = "shared_input"
+
+    def enabled(self, options: BackendOptions) -> bool:
+        return options.merge_siblings
+
+    def run(self, ctx: PassContext) -> None:
+        by_activation: dict[tuple, list[GemmSite]] = {}
+        for site in ctx.sites:
+            if _eligible(site):
+                by_activation.setdefault(_activation_key(site), []).append(site)
+        if not any(len(sites) > 1 for sites in by_activation.values()):
+            return
+        _note_other_token_scales(by_activation)
+        position = {node: i for i, node in enumerate(ctx.graph.nodes)}
+        for sites in by_activation.values():
+            sites.sort(key=lambda s: position[s.anchor])
+            for start in range(0, len(sites) - 1, MULTI_GEMM_SLOTS):
+                chunk = sites[start:start + MULTI_GEMM_SLOTS]
+                if len(chunk) > 1:
+                    _group(chunk, ctx, position)
 
 
 def _eligible(site: GemmSite) -> bool:
@@ -100,7 +106,7 @@ def _group(sites: list[GemmSite], ctx: PassContext, position: dict[fx.Node, int]
     late = _operand_after_a_result(sites, position)
     if late is None:
         late = _collective_among(sites)
-    placed = place(leader, ctx, family, sum(s.n for s in sites)) if late is None else None
+    placed = placing.place(leader, ctx, family, sum(s.n for s in sites)) if late is None else None
     if placed is None or placed.runs_on == "inductor":
         why = late if placed is None else placed.why
         for site, chain in zip(sites, chains):

@@ -28,10 +28,11 @@ import torch
 import torch.fx as fx
 
 from helion_backend.compile.context import GemmSite, PassContext, token_scale, with_token_scale
-from helion_backend.compile.passes.match import choose_rule, collective_note, follow_chain
+from helion_backend.compile.graph_pass import GraphPass
 from helion_backend.compile.recognize.patterns import RESHAPES, activation_identity, collective_between
 from helion_backend.compile.recognize.quant_patterns import quantized_rows, rows_without_scale
 from helion_backend.compile.recognize.step import Step
+from helion_backend.compile.selection import choose_rule, collective_note, follow_chain
 from helion_backend.vocabulary import (
     ACTIVATIONS,
     GLU_FAMILIES,
@@ -50,16 +51,19 @@ _QUANTIZED_ANCHORS = (aten._scaled_mm.default, aten._int_mm.default)
 Results = dict[fx.Node, tuple[GemmSite, list[Step]]]
 
 
-def run(ctx: PassContext) -> None:
-    if not any(r.kernel in GLU_FAMILIES for r in ctx.rules):
-        return
-    plain: Results = {}
-    for site in ctx.sites:
-        if _is_plain(site):
-            plain.update((node, (site, own)) for node, own in _results(site).items())
-    for site in list(ctx.sites):
-        if site in ctx.sites and site.rule is not None and _pairable(site):
-            _try_gated(site, plain, ctx)
+class SiblingsPass(GraphPass):
+    name = "siblings"
+
+    def run(self, ctx: PassContext) -> None:
+        if not any(r.kernel in GLU_FAMILIES for r in ctx.rules):
+            return
+        plain: Results = {}
+        for site in ctx.sites:
+            if _is_plain(site):
+                plain.update((node, (site, own)) for node, own in _results(site).items())
+        for site in list(ctx.sites):
+            if site in ctx.sites and site.rule is not None and _pairable(site):
+                _try_gated(site, plain, ctx)
 
 
 def _try_gated(site: GemmSite, plain: Results, ctx: PassContext) -> None:
