@@ -262,7 +262,7 @@ def place_as_on_cuda() -> None:
     place = placing.place
 
     def on_helion(site, ctx, kernel, n):
-        return placing.Placement("helion", None, place(site, ctx, kernel, n).helion_limit)
+        return placing.Placement("helion", None, place(site, ctx, kernel, n).max_helion_m)
 
     placing.place = on_helion
 

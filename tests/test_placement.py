@@ -54,7 +54,7 @@ def test_a_static_m_the_table_measured_helion_winning_runs_helion(table):
     table(timed(1, 1.3), timed(2, 0.9), timed(8, 1.2))
     placed = place(8)
     assert (placed.runs_on, placed.evidence, placed.untuned) == ("helion", {"8": "exact"}, False)
-    assert placed.helion_limit >= 8  # the fused op must not send M = 8 to its fallback
+    assert placed.max_helion_m >= 8  # the fused op must not send M = 8 to its fallback
     assert "Helion measured faster at M=8 (evidence exact, Helion 1.20x" in placed.why
 
 
@@ -102,14 +102,14 @@ def test_untuned_keys_run_helion_where_the_options_say(table):
 def test_a_dynamic_m_runs_helion_up_to_the_first_m_without_a_winning_verdict(table):
     table(timed(1, 1.3), timed(2, 1.2), timed(4, 1.2), timed(8, 1.1), timed(16, 0.95), timed(32, 1.1))
     placed = place(None)
-    assert (placed.runs_on, placed.helion_limit) == ("helion", 8)
+    assert (placed.runs_on, placed.max_helion_m) == ("helion", 8)
     assert placed.why.startswith("M is dynamic: Helion when M <= 8 at run time, cuBLAS above (at M=16: cuBLAS")
     assert placed.evidence == {"1": "exact", "2": "exact", "4": "exact", "8": "exact", "16": "exact"}
     assert not placed.untuned
     # Without the loss, the limit stops where the table stops: 32 is tuned, but not max_helion_size = 64.
     table(timed(1, 1.3), timed(32, 1.2))
     wider = place(None, max_helion_size=64)
-    assert wider.helion_limit == 32 and wider.evidence["64"] == "none" and wider.untuned
+    assert wider.max_helion_m == 32 and wider.evidence["64"] == "none" and wider.untuned
 
 
 def test_a_dynamic_m_without_any_measurement_stays_with_inductor(table):

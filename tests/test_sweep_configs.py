@@ -192,7 +192,7 @@ def test_the_suites_manifest_expands_in_the_tune_command_to_the_keys_the_script_
         swept = [key for kernel in sweep.KERNELS for key in sweep.sweep_keys(kernel, SUITES, ms)]
         assert expand_keys(sites, ms) == sorted(swept, key=lambda key: key.table_key)
     # The shared launch takes its RMSNorm at one row only (fused_norm), the gated and quantized families their steps.
-    multi = {(site.prologue, site.dynamic_m_limit) for site in sites if site.kernel == "gemm_multi"}
+    multi = {(site.prologue, site.max_helion_m) for site in sites if site.kernel == "gemm_multi"}
     assert multi == {(("rmsnorm",), 1), ((), 32)}
     assert {site.kernel for site in sites} == set(sweep.KERNELS)
 

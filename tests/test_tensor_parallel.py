@@ -150,7 +150,7 @@ def test_the_manifest_of_each_rank_holds_its_local_shapes(ranks):
         sites = result["manifest"]["sites"]
         assert {(s["kernel"], s["k"], s["n"], tuple(s.get("widths", ()))) for s in sites} == expected, result["rank"]
         assert {m for s in sites for m in s["m"]} == {1, tp.PREFILL_TOKENS}, sites
-        assert any(s["dynamic_m_limit"] is not None for s in sites), sites
+        assert any(s["max_helion_m"] is not None for s in sites), sites
 
 
 @pytest.mark.slow

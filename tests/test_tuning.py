@@ -52,7 +52,7 @@ def fake_entry(key: TuneKey, us: float = 5.0) -> dict:
 
 @pytest.fixture
 def manifest(tmp_path):
-    site = ManifestSite.declared("gemm", ("bias",), "bfloat16", 1024, 256, m=4, helion_limit=32)
+    site = ManifestSite.declared("gemm", ("bias",), "bfloat16", 1024, 256, m=4, max_helion_m=32)
     return write_manifest(tmp_path / "manifest.json", [site])
 
 
@@ -109,7 +109,7 @@ def test_no_cuda_device_exits_2(manifest, capsys, monkeypatch):
 
 
 def test_manifest_without_a_key_to_tune_is_no_error(tmp_path, capsys):
-    site = ManifestSite.declared("gemm", ("bias",), "bfloat16", 1024, 256, m=None, helion_limit=0)
+    site = ManifestSite.declared("gemm", ("bias",), "bfloat16", 1024, 256, m=None, max_helion_m=0)
     assert main(["tune", str(write_manifest(tmp_path / "manifest.json", [site]))]) == 0
     assert "nothing to tune" in capsys.readouterr().err
 
@@ -119,7 +119,7 @@ def test_manifest_without_a_key_to_tune_is_no_error(tmp_path, capsys):
 
 def test_keys_are_static_m_and_num_tokens_up_to_the_dynamic_limit():
     sites = [
-        ManifestSite("gemm", ("bias",), "bfloat16", 4096, 1024, frozenset({3, 64}), dynamic_m_limit=8),
+        ManifestSite("gemm", ("bias",), "bfloat16", 4096, 1024, frozenset({3, 64}), max_helion_m=8),
         ManifestSite("gemm", ("bias", "gelu_tanh"), "bfloat16", 4096, 12288, frozenset({1})),
     ]
     keys = tuning.expand_keys(sites, num_tokens=(1, 2, 4, 8, 16))
@@ -675,7 +675,7 @@ def test_table_and_cache_dir_exclude_each_other(manifest, tmp_path, capsys):
 
 @pytest.mark.gpu
 def test_tune_one_small_key_end_to_end(tmp_path, capsys):
-    site = ManifestSite.declared("gemm", ("bias", "gelu_tanh"), "bfloat16", 1024, 256, m=4, helion_limit=32)
+    site = ManifestSite.declared("gemm", ("bias", "gelu_tanh"), "bfloat16", 1024, 256, m=4, max_helion_m=32)
     manifest = write_manifest(tmp_path / "manifest.json", [site])
     assert main(["tune", str(manifest), "--effort", "quick", "--budget-per-key", "20"]) == 0
     user_dir = tmp_path / "configs"
@@ -696,7 +696,7 @@ def gpu_family_site(kernel: str, fused: bool = False) -> ManifestSite:
     k = family_key(kernel, fused)
     n = 1536 if kernel == "gemm_multi" else 1024
     widths = (1024, 256, 256) if kernel == "gemm_multi" else ()
-    return ManifestSite.declared(kernel, k.epilogue, k.dtype, 1024, n, m=4, helion_limit=32, prologue=k.prologue,
+    return ManifestSite.declared(kernel, k.epilogue, k.dtype, 1024, n, m=4, max_helion_m=32, prologue=k.prologue,
                                  widths=widths)
 
 

@@ -173,7 +173,7 @@ def test_pool_for_pins_the_triton_cache_folder_and_starts_no_worker(monkeypatch)
 
 @pytest.fixture
 def manifest(tmp_path):
-    site = ManifestSite.declared("gemm", ("bias",), "bfloat16", 1024, 256, m=None, helion_limit=32)
+    site = ManifestSite.declared("gemm", ("bias",), "bfloat16", 1024, 256, m=None, max_helion_m=32)
     return write_manifest(tmp_path / "manifest.json", [site])
 
 

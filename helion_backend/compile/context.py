@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from helion_backend.compile.recognize.step import Step
-from helion_backend.vocabulary import ACTIVATION_QUANT_STEPS
+from helion_backend.vocabulary import ACTIVATION_QUANT_STEPS, TOKEN_SCALE
 
 if TYPE_CHECKING:
     from helion_backend.compile.recognize.norm_patterns import RmsNormMatch
@@ -31,13 +31,13 @@ Dim = Union[int, torch.SymInt]
 
 def token_scale(steps: Sequence[Step]) -> fx.Node | None:
     """The [M, 1] scale that ``steps`` (a quantized GEMM's) multiply its rows by, if any."""
-    return next((step.operand for step in steps if step.name == "token_scale"), None)
+    return next((step.operand for step in steps if step.name == TOKEN_SCALE), None)
 
 
 def with_token_scale(steps: Sequence[Step], scale: fx.Node) -> list[Step]:
     """``steps`` rescaling by ``scale`` instead of their own token scale: sites proven to read equal
     quantized rows read one quantization (the fused op reads it), and the others are left dead."""
-    return [replace(step, operand=scale) if step.name == "token_scale" else step for step in steps]
+    return [replace(step, operand=scale) if step.name == TOKEN_SCALE else step for step in steps]
 
 
 @dataclass
@@ -82,7 +82,7 @@ class GemmSite:
     objections: list[str] = field(default_factory=list)  # with no rule applying: each rule's, nearest first
     notes: list[str] = field(default_factory=list)  # what legality cut, and why
     runs_on: str = "inductor"
-    helion_limit: int = 0  # the largest M that runs the Helion kernel (set by placement)
+    max_helion_m: int = 0  # the largest M that runs the Helion kernel (set by placement)
     # What placement's decision rests on at each M it checked (M as text -> an EVIDENCE word), and whether some
     # M had no measurement at all (the manifest then lists the site, for the tuner).
     evidence: dict[str, str] = field(default_factory=dict)

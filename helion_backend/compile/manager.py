@@ -114,7 +114,7 @@ class HelionPassManager(CustomGraphPass):
         helion_sites = _helion_sites(ctx)
         record_sites(Path(self.options.manifest_path), helion_sites)
         self.dynamic_sites.extend(
-            (site.m.node.expr, site.helion_limit)
+            (site.m.node.expr, site.max_helion_m)
             for site in ctx.sites
             if site.fused is not None and site.static_m is None
         )
@@ -186,7 +186,7 @@ def _sites_text(ctx: PassContext) -> str:
         prologue = ", ".join(step.name for step in site.prologue)
         group = f" group={site.group.family}x{len(site.group.sites)}" if site.group is not None else ""
         lines.append(f"{site.anchor.name}: rule={site.rule.name if site.rule else None} prologue=[{prologue}] "
-                     f"chain=[{steps}] runs_on={site.runs_on} helion_limit={site.helion_limit}{group} "
+                     f"chain=[{steps}] runs_on={site.runs_on} max_helion_m={site.max_helion_m}{group} "
                      f"reason={site.reason}")
     lines += [f"{site.node.name}: attention runs_on={site.runs_on} reason={site.reason}" for site in ctx.attention]
     return "\n".join(lines) or "(none)"
@@ -224,7 +224,7 @@ def _helion_sites(ctx: PassContext) -> list[ManifestSite]:
             k=site.k,
             n=sum(member.n for member in launch.sites),
             m=site.static_m,
-            helion_limit=ctx.options.max_helion_size if site.untuned else site.helion_limit,
+            max_helion_m=ctx.options.max_helion_size if site.untuned else site.max_helion_m,
             prologue=[s.name for s in site.prologue],
             widths=[member.n for member in launch.sites] if len(launch.sites) > 1 else (),
         )

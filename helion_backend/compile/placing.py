@@ -68,7 +68,7 @@ class Placement(NamedTuple):
 
     runs_on: str
     why: str | None
-    helion_limit: int
+    max_helion_m: int
     evidence: dict[str, str] = {}
     untuned: bool = False
 

@@ -24,12 +24,15 @@ from helion_backend.compile.recognize.quant_patterns import activation_quant, ac
 from helion_backend.compile.recognize.step import Step
 from helion_backend.compile.rules import Rule
 from helion_backend.vocabulary import (
+    ACT_SCALE,
     ACTIVATION_QUANT_STEPS,
+    CAST,
     KERNEL_FAMILIES,
     QUANT_DTYPES,
     RMSNORM,
     SCALING_STEPS,
     SUPPORTED_DTYPES,
+    TOKEN_SCALE,
 )
 
 _MAX_CHAIN = 32
@@ -64,9 +67,9 @@ def _fuse_activation_quant(site: GemmSite, fuse: bool) -> None:
     where it would have been fused (the recognizer still runs, so the note is true)."""
     if site.dtype not in QUANT_DTYPES.values():
         return
-    i = next((i for i, step in enumerate(site.chain) if step.name == "token_scale"), None)
+    i = next((i for i, step in enumerate(site.chain) if step.name == TOKEN_SCALE), None)
     # The rows' scale moves to right after the GEMM: it must commute with every step before it.
-    if i is None or not all(s.transparent or s.name in SCALING_STEPS or s.name == "cast" for s in site.chain[:i]):
+    if i is None or not all(s.transparent or s.name in SCALING_STEPS or s.name == CAST for s in site.chain[:i]):
         return
     step = site.chain[i]
     found = activation_quant(site.x, step.operand)
@@ -86,7 +89,7 @@ def _fuse_activation_quant(site: GemmSite, fuse: bool) -> None:
                           "the activation; option fuse_activation_quant fuses it into the kernel")
         return
     chain = list(site.chain)
-    chain[i] = Step("act_scale", step.nodes)
+    chain[i] = Step(ACT_SCALE, step.nodes)
     site.fuse_prologue(
         Step(name, list(found.nodes)),
         x=found.x, quant_program=found.program, chain=chain,
@@ -133,7 +136,7 @@ def choose_rule(site: GemmSite, rules: Sequence[Rule]) -> None:
     best: tuple[tuple[int, int], Rule, int] | None = None
     objections: list[Objection] = []
     prologue = [s.name for s in site.prologue]
-    if prologue and "act_scale" not in names and site.quantizes_per_token:
+    if prologue and ACT_SCALE not in names and site.quantizes_per_token:
         objections.append(Objection(None, 0, f"prologue [{', '.join(prologue)}]: its scale step is not in the "
                                              "fused epilogue"))
         rules = ()
@@ -248,7 +251,7 @@ def _check(rule: Rule, site: GemmSite, names: list[str]) -> _Fit:
     if accepted is None or accepted < leading:
         got = ", ".join(names) or "none"
         return _Fit(f"epilogue [{got}] does not fit [{', '.join(map(str, rule.epilogue))}]", 5)
-    if site.quantizes_per_token and accepted <= names.index("act_scale"):
+    if site.quantizes_per_token and accepted <= names.index(ACT_SCALE):
         # The kernel rescales by the activation's scale right after the GEMM: the site must reach that step.
         return _Fit("its fused epilogue would stop before act_scale", 6)
     return _Fit(None, accepted=accepted)

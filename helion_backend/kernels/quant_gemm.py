@@ -68,14 +68,17 @@ from helion_backend.kernels.gemm import (
 from helion_backend.semantics import quant_program as program_module
 from helion_backend.semantics.quant_program import QuantProgram
 from helion_backend.vocabulary import (
+    ACT_SCALE,
     FP8_BLOCK,
     FP8_BLOCK_FAMILY,
+    FP8_FAMILY,
     INT4_FAMILY,
     INT4_HIGH_SHIFT,
     INT4_LOW_MASK,
     INT4_ZERO_POINT,
     QUANT_DTYPES,
     SUPPORTED_DTYPES,
+    TOKEN_SCALE,
 )
 
 # One program per row: a row is at most ~50 KB of activation, read twice (amax, then quantize).
@@ -344,7 +347,7 @@ def quant_gemm_helion(
     program: QuantProgram | None = None,
     config: helion.Config | None = None,
     config_dir: str | None = None,
-    kernel_family: str = "gemm_fp8",
+    kernel_family: str = FP8_FAMILY,
 ) -> torch.Tensor:
     """The quantized GEMM + epilogue as a contiguous [M, N] ``out_dtype`` tensor.
 
@@ -371,7 +374,7 @@ def quant_gemm_helion(
     if prequantize:
         quantized, scale = quantize_rows(x, program)
         # The rows' scale becomes an epilogue operand; it commutes with the scaling steps before act_scale.
-        steps = ("token_scale", *(s for s in steps if s != "act_scale"))
+        steps = (TOKEN_SCALE, *(s for s in steps if s != ACT_SCALE))
         operands = [scale.view(m, 1).expand(m, n), *operands]
         return quant_gemm_helion(quantized, w_kn, steps, operands, scalars, out_dtype, None, config=config,
                                  kernel_family=kernel_family)

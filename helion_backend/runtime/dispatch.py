@@ -24,6 +24,8 @@ from helion_backend.semantics.epilogue import (
 from helion_backend.semantics.norm import RmsNormSpec, parse_spec, rms_norm
 from helion_backend.semantics.quant_program import QuantProgram, parse_program, quantize_rows
 from helion_backend.vocabulary import (
+    DEQUANT_FP8_BLOCK,
+    DEQUANT_INT4,
     FP8_BLOCK,
     INT4_HIGH_SHIFT,
     INT4_LOW_MASK,
@@ -252,12 +254,12 @@ def _check_weight_dequant(prologue: tuple[str, ...], weight_layout: str, weight_
                           program: QuantProgram | None) -> None:
     """``dequant_int4`` and ``dequant_fp8_block`` read their [N, ..] weight's scales (``weight_scale``), block
     fp8 also its activation's quantization program; no other prologue has a ``weight_scale``."""
-    scaled = "dequant_int4" in prologue or "dequant_fp8_block" in prologue
+    scaled = DEQUANT_INT4 in prologue or DEQUANT_FP8_BLOCK in prologue
     if scaled != (weight_scale is not None):
         problem = f"{'no' if scaled else 'a'} weight_scale"
     elif scaled and weight_layout != "nk":
         problem = f"weight_layout {weight_layout!r} (the scaled weights are [N, ..])"
-    elif "dequant_fp8_block" in prologue and program is None:
+    elif DEQUANT_FP8_BLOCK in prologue and program is None:
         problem = "no quant_program for the activation's groups"
     else:
         return

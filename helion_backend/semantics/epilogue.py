@@ -12,7 +12,18 @@ from typing import Callable, Sequence, TypeVar
 
 import torch
 
-from helion_backend.vocabulary import ACTIVATIONS, EPILOGUE_STEPS, PROLOGUE_STEPS, Operand
+from helion_backend.vocabulary import (
+    ACTIVATIONS,
+    EPILOGUE_STEPS,
+    GELU,
+    GELU_TANH,
+    PROLOGUE_STEPS,
+    RELU,
+    SIGMOID,
+    SILU,
+    UP_MUL,
+    Operand,
+)
 
 T = TypeVar("T")
 
@@ -40,11 +51,11 @@ def _relu(v: torch.Tensor) -> torch.Tensor:
 
 
 ACTIVATION_FORMULAS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "relu": _relu,
-    "gelu": _gelu,
-    "gelu_tanh": _gelu_tanh,
-    "silu": _silu,
-    "sigmoid": torch.sigmoid,
+    RELU: _relu,
+    GELU: _gelu,
+    GELU_TANH: _gelu_tanh,
+    SILU: _silu,
+    SIGMOID: torch.sigmoid,
 }
 assert tuple(ACTIVATION_FORMULAS) == ACTIVATIONS
 
@@ -142,7 +153,7 @@ def apply_epilogue(
             value = load_operand(next_operand).to(torch.float32)
             next_operand += 1
             acc = acc * value if EPILOGUE_STEPS[step].multiplies else acc + value
-        elif step == "up_mul":
+        elif step == UP_MUL:
             acc = acc * up.to(torch.float32)
         elif step in ACTIVATION_FORMULAS:
             acc = ACTIVATION_FORMULAS[step](acc)

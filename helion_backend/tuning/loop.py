@@ -111,8 +111,8 @@ def expand_keys(sites: Sequence[ManifestSite], num_tokens: Sequence[int]) -> lis
     keys: dict[TableKey, TuneKey] = {}
     for site in sites:
         ms = set(site.static_m)
-        if site.dynamic_m_limit is not None:
-            ms.update(m for m in num_tokens if m <= site.dynamic_m_limit)
+        if site.max_helion_m is not None:
+            ms.update(m for m in num_tokens if m <= site.max_helion_m)
         for m in ms:
             key = TuneKey(site.kernel, site.epilogue, site.dtype, site.k, site.n, m, site.widths, site.prologue)
             known = keys.get(key.table_key)

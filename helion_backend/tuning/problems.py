@@ -62,18 +62,26 @@ from helion_backend.semantics.quant_program import QuantProgram, quantize_rows
 from helion_backend.tuning.timing import Step, copies_to_defeat_l2
 from helion_backend.vocabulary import (
     ACTIVATION_QUANT_STEPS,
+    BIAS,
+    CHANNEL_SCALE,
     CONFIG_FALLBACK,
     DEFAULT_KERNEL_FAMILY,
     FP8_BLOCK_FAMILY,
+    FP8_FAMILY,
     GLU_FAMILIES,
     GLU_FAMILY,
     INT4_FAMILY,
+    INT8_FAMILY,
     KERNEL_FAMILIES,
     MEMBER_FAMILY,
     MULTI_GEMM_FAMILY,
     RMSNORM,
     RULE_DTYPES,
+    SILU,
     SUPPORTED_DTYPES,
+    TOKEN_SCALE,
+    UP_MUL,
+    WEIGHT_ONLY_FAMILY,
     Operand,
     dtype_name,
 )
@@ -85,13 +93,13 @@ TOLERANCE = 1e-2
 NORM_SPEC = RmsNormSpec(1e-6, round_before_weight=True)  # LlamaRMSNorm / Qwen3RMSNorm
 QUANT_ACTIVATION_DTYPE = "bfloat16"  # of fp8/int8 sites, whose manifest dtype is the quantized one
 # The helion_backend.layers.quantize format whose layers each quantized family runs.
-QUANT_FORMAT_OF = {"gemm_fp8": "fp8_dynamic", "gemm_int8": "int8_dynamic", "gemm_weight_only": "int8_weight_only",
+QUANT_FORMAT_OF = {FP8_FAMILY: "fp8_dynamic", INT8_FAMILY: "int8_dynamic", WEIGHT_ONLY_FAMILY: "int8_weight_only",
                    INT4_FAMILY: "int4_weight_only", FP8_BLOCK_FAMILY: "fp8_block"}
 SPLIT_K, PREQUANTIZE, PAIRED_LOADS = "split_k", configs.PREQUANTIZE, configs.PAIRED_LOADS
 GEMV, SWAP_AB = configs.GEMV, configs.SWAP_AB
 # The quantized families that multiply rows quantized before the GEMM (fp8, int8) or a float x by an int8
 # weight: their wrapper also runs the operands swapped (``swap_ab``).
-SWAP_AB_FAMILIES = ("gemm_fp8", "gemm_int8", "gemm_weight_only")
+SWAP_AB_FAMILIES = (FP8_FAMILY, INT8_FAMILY, WEIGHT_ONLY_FAMILY)
 # The families whose wrapper runs the GEMV kernel at one row (``gemv``): the 16-bit GEMM and those above.
 GEMV_FAMILIES = (DEFAULT_KERNEL_FAMILY, *SWAP_AB_FAMILIES)
 HELION_TUNABLES = frozenset({SPLIT_K})  # of the searched keys, those Helion's autotuner can hold fixed
@@ -273,7 +281,7 @@ def float_calls(key: TuneKey, device: torch.device, copies: int, seed: int = 0) 
     def call() -> Call:
         return Call(x=randn(key.m, key.k), w_kn=weight(), steps=key.epilogue,
                     operands=_operands(key.epilogue, key.m, key.n, randn), scalars=[0.5] * num_scalars(key.epilogue),
-                    out_dtype=dtype, up_kn=weight() if "up_mul" in key.epilogue else None,
+                    out_dtype=dtype, up_kn=weight() if UP_MUL in key.epilogue else None,
                     norm=(randn(key.k) * 0.1 + 1, NORM_SPEC) if key.normed else None)
 
     return [call() for _ in range(copies)]
@@ -421,7 +429,7 @@ def _quantized_problem(key: TuneKey, device: torch.device) -> Problem:
     # Without it (the default compile's site), the kernel reads rows quantized before the call, as Inductor does.
     prequantized = quant_step is not None and not quantizes_its_rows(key)
     act_dtype = SUPPORTED_DTYPES.get(key.dtype, SUPPORTED_DTYPES[QUANT_ACTIVATION_DTYPE])
-    bias = "bias" in key.epilogue
+    bias = BIAS in key.epilogue
     first = _quantized_layer(key.kernel, key.k, key.n, bias, device, act_dtype)
     copies = copies_to_defeat_l2(sum(b.nbytes for b in first.buffers()), device)
     layers = [first, *(_quantized_layer(key.kernel, key.k, key.n, bias, device, act_dtype) for _ in range(copies - 1))]
@@ -473,8 +481,8 @@ def _quantized_call(family: str, layer: torch.nn.Module, rows: tuple[torch.Tenso
     layer's ``own`` steps from the layer (weight scales, bias) or the rows (``(x_quantized, scale)``: the
     token_scale), then ``extra`` for the steps after them."""
     x, *row_scale = rows
-    from_layer = {"channel_scale": lambda: layer.weight_scale.reshape(-1).float(), "bias": lambda: layer.bias,
-                  "token_scale": lambda: row_scale[0]}
+    from_layer = {CHANNEL_SCALE: lambda: layer.weight_scale.reshape(-1).float(), BIAS: lambda: layer.bias,
+                  TOKEN_SCALE: lambda: row_scale[0]}
     # Flattened as the fused op hands them to the kernels (the rows' [M, 1] scales become an [M, N] view).
     operands = [*dispatch.flatten_operands([from_layer[step]() for step in own if operand_kinds((step,))], own,
                                            layer.out_features), *extra]
@@ -494,8 +502,8 @@ def quantized_sibling_epilogue(family: str) -> tuple[str, ...]:
     """The steps a fused quantized family's key is swept with: its member layer's own steps (rows quantized
     before the call: token and channel scales, int8's casts), then for the gated families SiLU and the product."""
     _, _, own = quantized_site(MEMBER_FAMILY[family], False)
-    own = tuple(step for step in own if step != "bias")  # the sweep's layers have no bias
-    return (*own, "silu", "up_mul") if family in GLU_FAMILIES else ()
+    own = tuple(step for step in own if step != BIAS)  # the sweep's layers have no bias
+    return (*own, SILU, UP_MUL) if family in GLU_FAMILIES else ()
 
 
 def _quantized_sibling_problem(key: TuneKey, device: torch.device) -> Problem:
@@ -528,7 +536,7 @@ def _quantized_sibling_problem(key: TuneKey, device: torch.device) -> Problem:
                 [], act_dtype)
 
     if glu:
-        steps = key.epilogue or (*own, "silu", "up_mul")
+        steps = key.epilogue or (*own, SILU, UP_MUL)
 
         def glu_args(i: int) -> tuple[Any, ...]:
             x, (w, up), _, operands, _, _ = args(i)

@@ -27,10 +27,10 @@ class PlacementPass(GraphPass):
                     site.drop_prologue()
                     site.notes.append(f"RMSNorm not fused: {problem}")
             placed = placing.place(site, ctx, site.rule.kernel, site.n)
-            site.runs_on, site.reason, site.helion_limit = placed.runs_on, placed.why, placed.helion_limit
+            site.runs_on, site.reason, site.max_helion_m = placed.runs_on, placed.why, placed.max_helion_m
             site.evidence, site.untuned = placed.evidence, placed.untuned
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("placement: %s m=%s k=%s n=%s %s (rule %s, kernel %s): %s up to M=%s%s",
                           model_location(site.anchor)[0] or site.anchor.name, site.m, site.k, site.n,
                           dtype_name(site.dtype), site.rule.name, site.rule.kernel, site.runs_on,
-                          site.helion_limit, f" ({site.reason})" if site.reason else "")
+                          site.max_helion_m, f" ({site.reason})" if site.reason else "")

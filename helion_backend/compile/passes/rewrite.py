@@ -14,6 +14,7 @@ from helion_backend.compile.graph_pass import GraphPass
 from helion_backend.compile.recognize.patterns import val
 from helion_backend.report import site_id
 from helion_backend.semantics.epilogue import format_epilogues, format_steps
+from helion_backend.vocabulary import RESHAPE
 
 if TYPE_CHECKING:
     from helion_backend.compile.recognize.norm_patterns import RmsNormMatch
@@ -67,7 +68,7 @@ def _replace(graph: fx.Graph, site: GemmSite, config_dir: str, name: str, replac
             format_steps([s.name for s in steps]),
             val(site.output).dtype,
             site.rule.kernel,
-            site.helion_limit,
+            site.max_helion_m,
             config_dir,
             name,
             *_norm_args(norm),
@@ -94,7 +95,7 @@ def _replace_group(graph: fx.Graph, group: SiteGroup, config_dir: str, name: str
             [step.scalar for s in sites for step in s.steps if step.scalar is not None],
             format_epilogues([[step.name for step in s.steps] for s in sites]),
             val(leader.output).dtype,
-            leader.helion_limit,
+            leader.max_helion_m,
             config_dir,
             name,
             *_norm_args(norm),
@@ -131,7 +132,7 @@ def _norm_args(norm: RmsNormMatch | None) -> tuple[fx.Node | None, str]:
 def _take_output(graph: fx.Graph, site: GemmSite, result: fx.Node, replaced: dict[fx.Node, fx.Node]) -> None:
     """Make the graph read ``result`` (the site's [M, N] value) where it read the site's output."""
     site.fused = result
-    reshapes = [s for s in site.chain if s.name == "reshape"]
+    reshapes = [s for s in site.chain if s.name == RESHAPE]
     if reshapes:  # a 3-D F.linear: view the [M, N] result back to the shape users expect
         result = insert_call(graph, aten.view.default, (result, reshapes[-1].out.args[1]), origin=reshapes[-1].out)
     site.output.replace_all_uses_with(result)

@@ -118,7 +118,7 @@ def _group(sites: list[GemmSite], ctx: PassContext, position: dict[fx.Node, int]
     group = SiteGroup(sites, family)
     what = "the same quantized rows and token scale" if leader.dtype in QUANT_DTYPES.values() else "the same activation"
     for site in sites:
-        site.group, site.runs_on, site.reason, site.helion_limit = group, placed.runs_on, placed.why, placed.helion_limit
+        site.group, site.runs_on, site.reason, site.max_helion_m = group, placed.runs_on, placed.why, placed.max_helion_m
         site.evidence, site.untuned = placed.evidence, placed.untuned
         site.notes.append(f"one launch ({family}) with {_names(sites, site)}: {what}")
 

@@ -35,16 +35,23 @@ from helion_backend.compile.recognize.step import Step
 from helion_backend.compile.selection import choose_rule, collective_note, follow_chain
 from helion_backend.vocabulary import (
     ACTIVATIONS,
+    CAST,
+    CHANNEL_SCALE,
     GLU_FAMILIES,
+    MUL,
     QUANT_DTYPES,
     RMSNORM,
     SUPPORTED_DTYPES,
+    TENSOR_SCALE,
+    TOKEN_SCALE,
+    UNPAD,
+    UP_MUL,
     dtype_name,
 )
 
 aten = torch.ops.aten
 # A quantized projection's own steps before what the rest of the graph reads of it: its rescaling and casts.
-_OWN_STEPS = frozenset({"cast", "token_scale", "channel_scale", "tensor_scale"})
+_OWN_STEPS = frozenset({CAST, TOKEN_SCALE, CHANNEL_SCALE, TENSOR_SCALE})
 _QUANTIZED_ANCHORS = (aten._scaled_mm.default, aten._int_mm.default)
 
 # A GEMM's result as the rest of the graph reads it -> (the site, its own steps up to that node).
@@ -76,7 +83,7 @@ def _try_gated(site: GemmSite, plain: Results, ctx: PassContext) -> None:
     if isinstance(found, tuple):
         i, up, own = found
         mul = site.chain[i]
-        site.chain = [*site.chain[:i], Step("up_mul", mul.nodes), *site.chain[i + 1:]]
+        site.chain = [*site.chain[:i], Step(UP_MUL, mul.nodes), *site.chain[i + 1:]]
         site.up_weight, site.up_layout, site.up_steps = up.weight, up.weight_layout, own
         site.up_anchor = up.anchor
         choose_rule(site, ctx.rules)  # drops the norm, with a note, where the gated rule takes no prologue
@@ -153,9 +160,9 @@ def _gated_mul(site: GemmSite, steps: list[Step]) -> int | None:
     if i >= len(steps) or steps[i].name not in ACTIVATIONS:
         return None
     i += 1
-    while i < len(steps) and own and steps[i].name == "cast":
+    while i < len(steps) and own and steps[i].name == CAST:
         i += 1
-    return i if i < len(steps) and steps[i].name == "mul" else None
+    return i if i < len(steps) and steps[i].name == MUL else None
 
 
 def _quantized(site: GemmSite) -> bool:
@@ -174,7 +181,7 @@ def _gemm_input(site: GemmSite) -> fx.Node:
     """The activation the GEMM node itself reads (with a fused prologue, ``site.x`` is the prologue's input);
     for rows padded by Inductor's pad_mm, the rows before the padding."""
     x = site.anchor.args[1] if site.anchor.target is aten.addmm.default else site.anchor.args[0]
-    return x.args[0] if any(step.name == "unpad" for step in site.leading_steps) else x
+    return x.args[0] if any(step.name == UNPAD for step in site.leading_steps) else x
 
 
 def _is_plain(site: GemmSite) -> bool:

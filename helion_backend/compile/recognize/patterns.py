@@ -21,7 +21,20 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from helion_backend.compile.recognize.step import Step
 from helion_backend.semantics.epilogue import ACTIVATION_FORMULAS
-from helion_backend.vocabulary import COLLECTIVE_NAMESPACES, SUPPORTED_DTYPES, Operand
+from helion_backend.vocabulary import (
+    BIAS,
+    CAST,
+    CHANNEL_SCALE,
+    COLLECTIVE_NAMESPACES,
+    MUL,
+    RESHAPE,
+    RESIDUAL,
+    SCALE,
+    SUPPORTED_DTYPES,
+    TENSOR_SCALE,
+    TOKEN_SCALE,
+    Operand,
+)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -231,7 +244,7 @@ def _single_node_step(value: fx.Node, n: int) -> Step | None:
     if user.target in RESHAPES:
         return _reshape_step(user, n)
     if is_float_cast(user) and user.args[0] is value:
-        return Step("cast", [user])
+        return Step(CAST, [user])
     if user.target is aten.add.Tensor and user.kwargs.get("alpha", 1) == 1:
         return _add_step(value, user, n)
     if user.target is aten.mul.Tensor:
@@ -264,20 +277,20 @@ def _add_step(value: fx.Node, node: fx.Node, n: int) -> Step | None:
     other = _other_arg(value, node)
     kind = operand_kind(other, val(value), n)
     if kind is Operand.ROW:
-        return Step("bias", [node], operand=other)
+        return Step(BIAS, [node], operand=other)
     if kind is Operand.FULL:
-        return Step("residual", [node], operand=other)
+        return Step(RESIDUAL, [node], operand=other)
     return None
 
 
-_MUL_STEPS = {Operand.FULL: "mul", Operand.ROW: "channel_scale", Operand.COL: "token_scale",
-              Operand.ELEMENT: "tensor_scale"}
+_MUL_STEPS = {Operand.FULL: MUL, Operand.ROW: CHANNEL_SCALE, Operand.COL: TOKEN_SCALE,
+              Operand.ELEMENT: TENSOR_SCALE}
 
 
 def _mul_step(value: fx.Node, node: fx.Node, n: int) -> Step | None:
     other = _integer_product_scale(_other_arg(value, node), value, n)
     if isinstance(other, numbers.Real) and not isinstance(other, bool) and math.isfinite(other):
-        return Step("scale", [node], scalar=float(other))
+        return Step(SCALE, [node], scalar=float(other))
     kind = operand_kind(other, val(value), n)
     return Step(_MUL_STEPS[kind], [node], operand=other) if kind in _MUL_STEPS else None
 
@@ -307,5 +320,5 @@ def _reshape_step(node: fx.Node, n: int) -> Step | None:
     out = val(node)
     if out is None or out.dim() < 2 or not statically_known_true(out.shape[-1] == n):
         return None
-    return Step("reshape", [node], transparent=True)
+    return Step(RESHAPE, [node], transparent=True)
 
