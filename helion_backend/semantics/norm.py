@@ -19,8 +19,7 @@ once, at the end (:func:`scale_rows`). The rows' sums of squares come from a fir
 output tile, or, for at most :data:`ONE_PASS_MAX_M` rows, from the GEMM's own K loop (elementwise
 :func:`squares`, reduced after it): at M = 1 a first pass over all of K delays each tile's first weight
 load by a few microseconds, while for more rows a second use of the x tile inside the K loop slows the
-weight stream more than the first pass costs (H200: gated MLP, M = 8, 51 us without the norm, 69 us
-with it in one pass). The rounding differs from the unfused graph's (x * weight is rounded once,
+weight stream more than the first pass costs. The rounding differs from the unfused graph's (x * weight is rounded once,
 instead of x * rstd and then the product), within the dtype's precision; in float16 x * weight can
 overflow where the normalized rows do not, so float16 rows keep the norm unfused (:data:`FUSED_DTYPES`).
 The fused op carries an :class:`RmsNormSpec` as a string (its ``norm_spec``

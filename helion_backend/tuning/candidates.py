@@ -37,8 +37,7 @@ CANDIDATES: tuple[Candidate, ...] = (
     (16, 64, 128, 4, 4, 1, "pointer"),
     (16, 32, 512, 4, 3, 1, "pointer"),
     (16, 32, 256, 4, 3, 1, "tensor_descriptor"),
-    # Deeper pipelines: 0.5-1.1 us faster than the table on the o and down projections at M = 1 and 8
-    # (H200, seventh session's scratch sweep).
+    # Deeper pipelines: they beat the shallower ones on the o and down projections at M = 1 and 8.
     (16, 32, 256, 4, 5, 1, "pointer"),
     (16, 32, 512, 4, 4, 1, "pointer"),
     (16, 64, 256, 4, 3, 1, "tensor_descriptor"),
@@ -60,15 +59,14 @@ CANDIDATES: tuple[Candidate, ...] = (
     (32, 32, 256, 4, 4, 2, "pointer"),
     (32, 64, 128, 4, 4, 2, "tensor_descriptor"),
     # The same with N tiles of 16: twice the programs of 32-wide tiles, the weight still streamed once. The
-    # shared q/k/v launch has no split-K, and at M = 32 its best above ran 96 programs (23.0 us against 16.6
-    # at M = 16; H200, twelfth session).
+    # shared q/k/v launch has no split-K, so at M = 32 the tiles above leave too few programs to fill the GPU.
     (32, 16, 512, 4, 3, 1, "pointer"),
     (32, 16, 256, 4, 4, 1, "pointer"),
 )
 # One row as a GEMV (``gemv``: kernels/gemm.py's ``gemv_kernel``, no dot, no split-K): 16-bit inputs, and
 # fp8/int8 rows and weights or a float row and an int8 weight (their wrapper's GEMV; see gemv_candidates).
 # With ``mode="max-autotune"`` Inductor rewrites a one-row ``mm`` as a multiply and a sum, and its reduction
-# kernel beat our one-row dot by 0.7-3.9 us on every Qwen3 shape without a bias (H200, thirteenth session).
+# kernel beats a one-row dot on every Qwen3 shape without a bias.
 # As in that reduction, each K step only multiplies and adds into a [N block, K block] accumulator, K
 # summed once after the loop; narrow N tiles (down to one column) give hundreds of programs, and 16-byte
 # loads run along K (the weight's contiguous dimension). The accumulator takes N block x K block / (32 x
@@ -99,9 +97,9 @@ QUANT_CANDIDATES = (
     (32, 32, 256, 4, 3, 1, "pointer"),
 )
 # One-byte weights (fp8, int8) move half the bytes of a 16-bit tile per pipeline stage, and the small-M
-# kernels stream at the rate of the bytes they keep in flight: the first quantized sweeps picked the
-# deepest tile on offer (16 x 32 x 512) at nearly every key, and fp8 GEMMs ran at 1.8 TB/s where the
-# 16-bit ones reach 3.7 (H200, ninth session). So the K blocks go to 1024 and the pipelines deeper.
+# kernels stream at the rate of the bytes they keep in flight: with the 16-bit candidates, the sweeps picked
+# the deepest tile on offer at nearly every key and fp8 GEMMs streamed at half the 16-bit rate. So the K
+# blocks go to 1024 and the pipelines deeper.
 ONE_BYTE_CANDIDATES = (
     (16, 32, 1024, 4, 3, 1, "pointer"),
     (16, 64, 512, 4, 3, 1, "pointer"),
@@ -112,8 +110,8 @@ ONE_BYTE_CANDIDATES = (
     (32, 64, 512, 8, 3, 1, "pointer"),
     # More warps on an SM for the fp8 dot's 16-row tiles, which convert both operands to f16 in registers
     # before mma.sync (96 conversions a thread a 16 x 32 x 512 step, in their PTX): N tiles of 16 give 256
-    # programs at N = 4096 where 32 give one per SM, or 8 warps one program. Both M = 32 kv keys chose the
-    # second (fp8 8.34 -> 8.13 us, int8 7.28 -> 7.00; H200, sixteenth session).
+    # programs at N = 4096 where 32 give one per SM, or 8 warps one program (the M = 32 k and v keys pick
+    # the second).
     (16, 16, 512, 4, 3, 1, "pointer"),
     (16, 16, 1024, 4, 3, 1, "pointer"),
     (16, 32, 512, 8, 3, 1, "pointer"),
