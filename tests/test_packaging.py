@@ -49,9 +49,13 @@ def test_the_wheel_holds_the_rules_and_tables_and_an_installed_copy_loads_its_ow
     tables = {f"helion_backend/kernels/tuned/{p.name}": p
               for p in sorted((ROOT / "helion_backend" / "kernels" / "tuned").glob("*.json"))}
     assert shipped and tables
+    sources = {path.relative_to(ROOT).as_posix() for path in (ROOT / "helion_backend").rglob("*.py")}
+    assert {"helion_backend/compile/passes/match.py", "helion_backend/runtime/ops.py"} <= sources
     with zipfile.ZipFile(wheel) as archive:
         for member, original in {**shipped, **tables}.items():
             assert archive.read(member) == original.read_bytes(), member
+        # Every module of every subpackage.
+        assert sources <= set(archive.namelist()), sorted(sources - set(archive.namelist()))
         site = tmp_path / "site"
         archive.extractall(site)  # a pure-Python wheel installed is its files on sys.path
 

@@ -8,7 +8,6 @@ to cover every SM; split-K supplies them when N alone does not.
 from __future__ import annotations
 
 import functools
-import logging
 
 import helion
 import torch
@@ -16,8 +15,6 @@ import torch
 from helion_backend import tables
 from helion_backend.tables import CALIBRATED, GEMV, PAIRED_LOADS, PREQUANTIZE, SWAP_AB  # noqa: F401
 from helion_backend.vocabulary import CONFIG_FALLBACK, DEFAULT_KERNEL_FAMILY, INT4_FAMILY
-
-log = logging.getLogger(__name__)
 
 NUM_SMS = 132  # H200: split-K grids are sized by it (the default configs and the tuner's candidates)
 _DECODE_MAX_M = 32
@@ -103,12 +100,12 @@ def config_for(
     m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, user_dir: str | None = None,
     kernel: str = DEFAULT_KERNEL_FAMILY,
 ) -> helion.Config:
-    """The config the table's decision (:func:`helion_backend.tables.decision`) rests on (the key's own entry, the smallest tuned M >= m at this
-    (K, N), or the closest measured shape's); else the largest tuned M's at this (K, N), else
-    :func:`default_config` (a fused quantized family without entries: its member family's, see
-    :func:`helion_backend.tables.entries`). ``user_dir`` holds user-tuned tables that override the shipped ones. Memoized: the
-    hot path pays one dict lookup (a table written later is read by the next process, or after
-    :func:`forget_tables`)."""
+    """The config the table's decision (:func:`helion_backend.tables.decision`) rests on: the key's own
+    entry, the smallest tuned M >= m at this (K, N), or the closest measured shape's; else the largest tuned
+    M's at this (K, N), else :func:`default_config` (a fused quantized family without entries: its member
+    family's, see :func:`helion_backend.tables.entries`). ``user_dir`` holds user-tuned tables that override
+    the shipped ones. Memoized: the hot path pays one dict lookup (a table written later is read by the next
+    process, or after :func:`forget_tables`)."""
     decided = tables.decision(m, k, n, dtype, device, user_dir, kernel).config
     if decided is not None:
         return helion.Config(**decided)

@@ -51,7 +51,7 @@ _PACKED_WEIGHT_GEMMS = {
 }
 _PACKED_WEIGHT_REASON = ("{what}: one opaque op whose weight only that kernel can read, and no kernel family reads "
                          "that layout; the gemm_int4 family reads plain packed bytes dequantized in the graph "
-                         "(helion_backend.layers.quantize.Int4WeightOnlyLinear's form)")
+                         "(helion_backend.quantize.Int4WeightOnlyLinear's form)")
 _PACKED_WEIGHT_OPS = {getattr(aten, name).default: _PACKED_WEIGHT_REASON.format(what=what)
                       for name, what in _PACKED_WEIGHT_GEMMS.items() if hasattr(aten, name)}
 _OP_NAMES = {op: name for name, op in ANCHOR_OPS.items()}
@@ -64,23 +64,20 @@ _INPUT_DTYPES = {
 }
 
 
-class NormalizePass(GraphPass):
-    name = "normalize"
-
-    def run(self, ctx: PassContext) -> None:
-        for node in ctx.graph.nodes:
-            if node.op != "call_function":
-                continue
-            if node.target in _OP_NAMES:
-                site_or_reason = _describe(node)
-                if isinstance(site_or_reason, GemmSite):
-                    ctx.sites.append(site_or_reason)
-                else:
-                    ctx.unanchored.append((node, site_or_reason))
-            elif node.target in _OTHER_GEMMS:
-                ctx.unanchored.append((node, f"{node.target} has no rule anchor in this version"))
-            elif node.target in _PACKED_WEIGHT_OPS:
-                ctx.unanchored.append((node, _PACKED_WEIGHT_OPS[node.target]))
+def run(ctx: PassContext) -> None:
+    for node in ctx.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in _OP_NAMES:
+            site_or_reason = _describe(node)
+            if isinstance(site_or_reason, GemmSite):
+                ctx.sites.append(site_or_reason)
+            else:
+                ctx.unanchored.append((node, site_or_reason))
+        elif node.target in _OTHER_GEMMS:
+            ctx.unanchored.append((node, f"{node.target} has no rule anchor in this version"))
+        elif node.target in _PACKED_WEIGHT_OPS:
+            ctx.unanchored.append((node, _PACKED_WEIGHT_OPS[node.target]))
 
 
 def _describe(node: fx.Node) -> GemmSite | str:
@@ -318,3 +315,12 @@ def _addmm_input_step(node: fx.Node, bias: fx.Node, out_val: torch.Tensor, n: in
     if kind is Operand.FULL:
         return Step("residual", [node], operand=bias)
     return f"addmm input of shape {tuple(val(bias).shape) if val(bias) is not None else '?'} is neither [N] nor [M, N]"
+
+
+class NormalizePass(GraphPass):
+    """The pipeline's normalize stage: :func:`run`."""
+
+    name = "normalize"
+
+    def run(self, ctx: PassContext) -> None:
+        run(ctx)
