@@ -164,8 +164,14 @@ class _PassTrail:
         return _sites_text(self.ctx), _readable(self.ctx.graph)
 
     def record(self, stage: GraphPass, ms: float) -> None:
+        """The state ``stage`` left; a failure to describe it costs its dump, never the compile."""
+        try:
+            state = self._state()
+        except Exception as e:
+            log.warning("helion_inductor: cannot dump the %s pass of %s: %s", stage.name, self.ctx.report.graph, e)
+            state = (f"not dumped ({type(e).__name__}: {e})", self.states[-1][1])
         self.records.append((stage.name, ms))
-        self.states.append(self._state())
+        self.states.append(state)
 
     def write(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
