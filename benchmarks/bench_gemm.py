@@ -1062,24 +1062,25 @@ def without_shapes(table: dict, shapes: frozenset[tuple[int, int]]) -> tuple[dic
 def holding_out(suites: Sequence[str]):
     """For the run: the shipped config tables without the suites' shapes (every family), and a fresh cache
     folder (no user table, nor a manifest or report from an earlier run); yields the shapes held out."""
+    from helion_backend import tables
     from helion_backend.kernels import configs
     from helion_backend.options import CACHE_DIR_ENV
 
     shapes = held_out_shapes(suites)
     with tempfile.TemporaryDirectory(prefix="bench_held_out_") as folder:
-        tables = Path(folder) / "tuned"
-        tables.mkdir()
-        for path in sorted(configs.TUNED_DIR.glob("*.json")):
+        held_out = Path(folder) / "tuned"
+        held_out.mkdir()
+        for path in sorted(tables.TUNED_DIR.glob("*.json")):
             table, removed = without_shapes(json.loads(path.read_text()), shapes)
-            (tables / path.name).write_text(json.dumps(table))
+            (held_out / path.name).write_text(json.dumps(table))
             print(f"held out: {removed} entries of {path.name} at {len(shapes)} shapes of {', '.join(suites)}")
-        saved = configs.TUNED_DIR, os.environ.get(CACHE_DIR_ENV)
-        configs.TUNED_DIR, os.environ[CACHE_DIR_ENV] = tables, str(Path(folder) / "cache")
+        saved = tables.TUNED_DIR, os.environ.get(CACHE_DIR_ENV)
+        tables.TUNED_DIR, os.environ[CACHE_DIR_ENV] = held_out, str(Path(folder) / "cache")
         configs.forget_tables()
         try:
             yield shapes
         finally:
-            configs.TUNED_DIR = saved[0]
+            tables.TUNED_DIR = saved[0]
             if saved[1] is None:
                 os.environ.pop(CACHE_DIR_ENV)
             else:

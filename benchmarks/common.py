@@ -1,5 +1,5 @@
 """Measurement helpers shared by the benchmarks: hardware ceilings, plus the package's timing, accuracy and
-metadata helpers (:mod:`helion_backend.timing`, which the tuner uses too), re-exported here.
+metadata helpers (:mod:`helion_backend.tuning.timing`, which the tuner uses too), re-exported here.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any, Sequence
 
 import torch
 
-from helion_backend.kernels.configs import gpu_key
-from helion_backend.timing import (  # noqa: F401  (re-exported for the benchmark scripts)
+from helion_backend.tables import gpu_key
+from helion_backend.tuning.timing import (  # noqa: F401  (re-exported for the benchmark scripts)
     CapturedCalls,
     Step,
     TimingConfig,

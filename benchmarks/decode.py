@@ -33,7 +33,7 @@ What each row measures (one row per format, batch and variant):
   ``wall_method`` says whether a row's figure is ``interleaved`` or, where that phase failed, ``alone``.
 - ``gpu_us``: the device time of one step. ``eager``: the step captured ``CALLS_PER_GRAPH`` times into
   one ``torch.cuda.CUDAGraph``, the median replay time (CUDA events) divided by the calls, as
-  :mod:`helion_backend.timing` times kernels. The compiled variants run their own CUDA graphs (Inductor's
+  :mod:`helion_backend.tuning.timing` times kernels. The compiled variants run their own CUDA graphs (Inductor's
   cudagraph trees), which cannot be captured inside another graph: for them, CUDA events around one
   step, recorded behind a spin kernel that keeps the GPU busy until the host has queued the whole step,
   so that host time before the launch is not counted; median over ``--steps`` steps. Both figures are

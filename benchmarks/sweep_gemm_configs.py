@@ -16,15 +16,15 @@ The shipped table is made by the tune command from the suites' manifest, every k
     python -m helion_backend tune /tmp/suites.json --effort sweep --num-tokens 1,2,4,8,16,24,32 \
         --table helion_backend/kernels/tuned/nvidia_h200.json
 
-Either way each key is tuned by ``helion_backend.tuning.tune_key`` with the ``sweep`` effort: the family's
-candidates (:mod:`helion_backend.tuning_candidates`) and today's config run the fused kernel under
+Either way each key is tuned by ``helion_backend.tuning.loop.tune_key`` with the ``sweep`` effort: the family's
+candidates (:mod:`helion_backend.tuning.candidates`) and today's config run the fused kernel under
 CUDA-graph replay, cycling through enough weight copies to defeat the L2, exactly as the benchmark times
 it; the fastest correct config per (kernel, K, N, M) goes to ``helion_backend/kernels/tuned/<gpu>.json``
 (and --out-dir), with the time of ``torch.compile`` default on the same call, whether Helion beat it
 (``helion_wins``: the dispatch keeps M above the first loss with cuBLAS + Inductor), the effort and the
 seconds the key took. This script re-sweeps the keys it is given (the table keeps the others) and stops
 starting keys after ``--budget-min``. The inputs, checks and fallbacks are the tuner's
-(:mod:`helion_backend.tuning_problems`).
+(:mod:`helion_backend.tuning.problems`).
 
 The suites' keys: bias + GELU-tanh after the 16-bit GEMMs. The quantized families run the layers
 :mod:`helion_backend.quantize` builds (fp8 and int8 with dynamic per-token activations, int8 and int4
@@ -62,10 +62,10 @@ if __package__ in (None, ""):
 import torch
 
 from benchmarks.bench_gemm import SMOKE_SUITE, SUITES
-from helion_backend.kernels import configs
+from helion_backend import tables
 from helion_backend.manifest import ManifestSite, SiteIdentity, write_manifest
 from helion_backend.options import SWEEP_EFFORT, BackendOptions
-from helion_backend.tuning import (
+from helion_backend.tuning.loop import (
     DEFAULT_NUM_TOKENS,
     ConfigTable,
     TuneError,
@@ -73,7 +73,7 @@ from helion_backend.tuning import (
     table_metadata,
     tune_key,
 )
-from helion_backend.tuning_problems import (
+from helion_backend.tuning.problems import (
     QUANT_FORMAT_OF,
     TuneKey,
     quantized_sibling_epilogue,
@@ -191,10 +191,10 @@ def sweep(keys: list[TuneKey], args: argparse.Namespace) -> None:
         args.out_dir.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
     # One line per timed candidate (fastest_valid logs them), without the rest of the package's INFO logs.
-    tune_log = logging.getLogger("helion_backend.tuning")
+    tune_log = logging.getLogger("helion_backend.tuning.loop")
     tune_log.setLevel(logging.INFO)
     tune_log.addHandler(logging.StreamHandler(sys.stdout))
-    path = configs.TUNED_DIR / f"{configs.gpu_key(device)}.json"
+    path = tables.TUNED_DIR / f"{tables.gpu_key(device)}.json"
     table = ConfigTable.load(path, shlex.join(sys.orig_argv))  # a sweep updates the table, key by key
     metadata = table_metadata(device)
     start = time.monotonic()

@@ -5,12 +5,10 @@ through the ``torch_dynamo_backends`` entry point once the package is installed;
 package also registers it, unless the entry point already did.
 """
 
-__version__ = "0.1.0"
-
-BACKEND_NAME = "helion_inductor"
-
-from .backend import helion_inductor, register_backend  # noqa: E402
-from .report import clear_reports, get_reports  # noqa: E402
+from helion_backend.backend import helion_inductor, register_backend
+from helion_backend.report import clear_reports, get_reports
+from helion_backend.version import __version__
+from helion_backend.vocabulary import BACKEND_NAME
 
 register_backend()
 

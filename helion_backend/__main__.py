@@ -7,8 +7,9 @@ import argparse
 import sys
 from typing import Sequence
 
-from . import bisect_sites, explain, tuning
-from .rules import RuleError, builtin_rule_files, load_rules
+from helion_backend.compile.rules import RuleError, builtin_rule_files, load_rules
+from helion_backend.tools import bisect_sites, explain
+from helion_backend.tuning import loop as tuning
 
 
 def _check_rules(args: argparse.Namespace) -> int:

@@ -21,12 +21,14 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-from . import BACKEND_NAME, code_cache, dispatch, verify
-from . import report as reports
-from .manifest import ManifestSite
-from .options import SAVED_REPORTS_KEPT, SAVED_REPORTS_MAX_AGE_DAYS, BackendOptions
-from .passes.manager import HelionPassManager
-from .token_routing import TokenRouter, make_token_counter
+from helion_backend import code_cache, environment
+from helion_backend import report as reports
+from helion_backend.compile.manager import HelionPassManager
+from helion_backend.manifest import ManifestSite
+from helion_backend.options import SAVED_REPORTS_KEPT, SAVED_REPORTS_MAX_AGE_DAYS, BackendOptions
+from helion_backend.runtime import ops, verify  # noqa: F401  (ops registers the custom ops the passes insert)
+from helion_backend.runtime.token_routing import TokenRouter, make_token_counter
+from helion_backend.vocabulary import BACKEND_NAME
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +108,7 @@ def _with_autotuning(compiled: Callable[..., Any], state: dict[str, Any] | None,
 def _tuning_device(example_inputs: Sequence[Any]) -> torch.device | None:
     """The CUDA device whose keys ``autotune_missing`` tunes; None off CUDA or where Helion cannot run (the CPU
     tests replace this, and nothing else, to run the loop with injected tuners)."""
-    if dispatch.helion_unavailable_reason() is not None:
+    if environment.helion_unavailable_reason() is not None:
         return None
     return next((x.device for x in example_inputs if isinstance(x, torch.Tensor) and x.is_cuda), None)
 
@@ -149,7 +151,7 @@ class AutotuneBeforeFirstRun:
         return self.compiled(*args)
 
     def _tune(self) -> None:
-        from . import tuning  # imports Helion: only where a key may need tuning
+        from helion_backend.tuning import loop as tuning  # imports Helion: only where a key may need tuning
 
         outcomes = tuning.tune_missing([site for _, sites in self.graphs for site in sites], self.opts, self.device)
         for report, sites in self.graphs:

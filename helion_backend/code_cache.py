@@ -33,8 +33,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .jsonfile import write_json_atomic
-from .options import BackendOptions
+from helion_backend.environment import package_digest, source_digest
+from helion_backend.jsonfile import write_json_atomic
+from helion_backend.options import BackendOptions
 
 if TYPE_CHECKING:
     import helion
@@ -142,8 +143,6 @@ def _environment(kernel: helion.Kernel, device: torch.device) -> tuple[object, .
     """What the generated code depends on besides the in-memory key, and may differ between processes."""
     import triton
 
-    from .passes.manager import package_digest
-
     settings = sorted((name, repr(value)) for name, value in kernel.settings.to_dict().items()
                       if not name.startswith("autotune"))  # autotuning's hold a per-process random seed
     return (("helion", _helion_digest()), ("triton", triton.__version__), ("torch", torch.__version__),
@@ -154,8 +153,6 @@ def _environment(kernel: helion.Kernel, device: torch.device) -> tuple[object, .
 def _helion_digest() -> str:
     """Helion's sources, which generate the code (an edited or development install keeps its version)."""
     import helion
-
-    from .passes.manager import source_digest
 
     return source_digest(Path(helion.__file__).resolve().parent)
 

@@ -17,9 +17,8 @@ import re
 import torch
 from torch._logging import _internal
 
+from helion_backend.report import GraphReport
 from helion_inductor import GRAPHS_ARTIFACT, LOG, REPORT_ARTIFACT, register_torch_logs
-
-from .report import GraphReport
 
 # Structured-trace artifact names (tlparse shows them by name, per compile id).
 TRACE_REPORT = REPORT_ARTIFACT

@@ -13,12 +13,13 @@ The file::
 
     {"version": 1,
      "sites": [{"kernel": "gemm", "prologue": ["rmsnorm"], "epilogue": ["bias", "gelu_tanh"],
-                "dtype": "bfloat16", "k": 4096, "n": 12288, "m": [1, 8], "dynamic_m_limit": 32},
+                "dtype": "bfloat16", "k": 4096, "n": 12288, "m": [1, 8], "max_helion_m": 32},
                {"kernel": "gemm_multi", "prologue": [], "epilogue": [], "dtype": "bfloat16",
-                "k": 4096, "n": 6144, "widths": [4096, 1024, 1024], "m": [1], "dynamic_m_limit": null}]}
+                "k": 4096, "n": 6144, "widths": [4096, 1024, 1024], "m": [1], "max_helion_m": null}]}
 
-``m`` lists the static token counts compiled; ``dynamic_m_limit`` is null unless the site was also
-compiled with a dynamic M, in which case it is the site's Helion limit (the largest M routed to Helion).
+``m`` lists the static token counts compiled; ``max_helion_m`` is null unless the site was also
+compiled with a dynamic M, in which case it is the site's Helion limit (the largest M routed to Helion;
+older manifests name it ``dynamic_m_limit``, which still reads).
 ``dtype`` is the GEMM's input dtype (float8_e4m3fn or int8 for a quantized GEMM). ``prologue`` lists the
 fused prologue steps (the kernels specialize on an RMSNorm's); a shared launch (``gemm_multi``) records its
 outputs' ``widths``, whose sum is ``n``, and its outputs' epilogues one after the other. Both fields came
@@ -35,8 +36,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .jsonfile import write_json_atomic
-from .vocabulary import (
+from helion_backend.jsonfile import write_json_atomic
+from helion_backend.vocabulary import (
     EPILOGUE_STEPS,
     KERNEL_FAMILIES,
     MULTI_GEMM_FAMILIES,
@@ -56,6 +57,9 @@ _lock = threading.Lock()  # compiles on several threads of one process merge one
 # (kernel, epilogue, dtype, K, N, prologue, widths)
 SiteIdentity = tuple[str, tuple[str, ...], str, int, int, tuple[str, ...], tuple[int, ...]]
 
+# The name ``max_helion_m`` had in older manifests (read, never written).
+OLD_MAX_HELION_M_KEY = "dynamic_m_limit"
+
 
 class ManifestError(ValueError):
     """A manifest that is missing or cannot be read; the message names the file."""
@@ -72,17 +76,17 @@ class ManifestSite:
     n: int
     static_m: frozenset[int] = frozenset()
     # The Helion limit of the site where its M is dynamic (None: only static M was compiled).
-    dynamic_m_limit: int | None = None
+    max_helion_m: int | None = None
     prologue: tuple[str, ...] = ()
     widths: tuple[int, ...] = ()  # a shared launch's outputs (gemm_multi), summing to n; else empty
 
     @classmethod
     def declared(
         cls, kernel: str, epilogue: Sequence[str], dtype: str, k: int, n: int, m: int | None,
-        helion_limit: int, *, prologue: Sequence[str] = (), widths: Sequence[int] = (),
+        max_helion_m: int, *, prologue: Sequence[str] = (), widths: Sequence[int] = (),
     ) -> ManifestSite:
-        """A site as one compile saw it: a static ``m``, or ``m=None`` (dynamic) up to ``helion_limit``."""
-        ms = {"dynamic_m_limit": helion_limit} if m is None else {"static_m": frozenset({m})}
+        """A site as one compile saw it: a static ``m``, or ``m=None`` (dynamic) up to ``max_helion_m``."""
+        ms = {"max_helion_m": max_helion_m} if m is None else {"static_m": frozenset({m})}
         return cls(kernel, tuple(epilogue), dtype, k, n, prologue=tuple(prologue), widths=tuple(widths), **ms)
 
     @property
@@ -92,16 +96,16 @@ class ManifestSite:
     def merge(self, other: ManifestSite) -> ManifestSite:
         """Every M either declares; of two dynamic limits the larger (a later table may have moved it)."""
         assert self.identity == other.identity, (self, other)
-        limits = [limit for limit in (self.dynamic_m_limit, other.dynamic_m_limit) if limit is not None]
+        limits = [limit for limit in (self.max_helion_m, other.max_helion_m) if limit is not None]
         return dataclasses.replace(
-            self, static_m=self.static_m | other.static_m, dynamic_m_limit=max(limits, default=None)
+            self, static_m=self.static_m | other.static_m, max_helion_m=max(limits, default=None)
         )
 
     def to_json(self) -> dict[str, Any]:
         widths = {"widths": list(self.widths)} if self.widths else {}
         return {"kernel": self.kernel, "prologue": list(self.prologue), "epilogue": list(self.epilogue),
                 "dtype": self.dtype, "k": self.k, "n": self.n, **widths, "m": sorted(self.static_m),
-                "dynamic_m_limit": self.dynamic_m_limit}
+                "max_helion_m": self.max_helion_m}
 
     @classmethod
     def from_json(cls, data: object) -> ManifestSite:
@@ -119,7 +123,7 @@ class ManifestSite:
             raise ValueError(f"unknown dtype {data['dtype']!r}; valid: {sorted(RULE_DTYPES)}")
         if not isinstance(data["m"], list):
             raise ValueError(f"'m' must be a list of token counts, got {data['m']!r}")
-        limit = data.get("dynamic_m_limit")
+        limit = data.get("max_helion_m", data.get(OLD_MAX_HELION_M_KEY))
         n = _positive_int("n", data["n"])
         return cls(
             kernel=data["kernel"],
@@ -128,7 +132,7 @@ class ManifestSite:
             k=_positive_int("k", data["k"]),
             n=n,
             static_m=frozenset(_positive_int("m", m) for m in data["m"]),
-            dynamic_m_limit=None if limit is None else _positive_int("dynamic_m_limit", limit, minimum=0),
+            max_helion_m=None if limit is None else _positive_int("max_helion_m", limit, minimum=0),
             prologue=prologue,
             widths=_widths(data.get("widths", []), data["kernel"], n),
         )

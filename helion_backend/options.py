@@ -26,7 +26,7 @@ UNTUNED_SITES = (UNTUNED_INDUCTOR, UNTUNED_HELION)
 DEFAULT_NUM_TOKENS = (1, 2, 4, 8, 16, 24, 32)
 
 # Autotuning defaults, shared by ``python -m helion_backend tune`` and the option ``autotune_missing``.
-# ``sweep`` times the family's fixed candidate configs at the key (:mod:`helion_backend.tuning_candidates`),
+# ``sweep`` times the family's fixed candidate configs at the key (:mod:`helion_backend.tuning.candidates`),
 # seconds a key; the others are Helion's autotune_effort presets that search ("none" does not), minutes a key.
 SWEEP_EFFORT = "sweep"
 HELION_TUNE_EFFORTS = ("quick", "full")
@@ -70,10 +70,9 @@ class BackendOptions:
     max_helion_size: int = 32
     """Largest M (num_tokens) a site runs through Helion; larger M keeps cuBLAS and Inductor."""
     rmsnorm_prologue_max_m: int = 1
-    """Largest static M whose GEMM takes an RMSNorm into its prologue. One row costs the kernels about a
-    microsecond; two to eight rows cost 2-6 us per kernel (a first pass over x in every output tile), more
-    than the norm's own kernel (H200: the 4-layer decode step at batch 8 took 900 us with the norms apart,
-    915 us with them fused)."""
+    """Largest static M whose GEMM takes an RMSNorm into its prologue. For one row the fused norm costs the
+    kernel less than the norm's own launch; for more rows its first pass over x in every output tile costs
+    more than that launch."""
     decode_attention_max_rows: int = 16
     """Largest static query length (rows per head) whose ``scaled_dot_product_attention`` runs as the Helion
     decode kernel, which splits the KV cache over the GPU; 0 keeps PyTorch's kernels everywhere. Longer
@@ -83,9 +82,8 @@ class BackendOptions:
     Inductor computes the quantization, fused into the kernel that produces the activation (the RMSNorm, the
     residual add), and the Helion kernel reads the quantized rows and multiplies by their scales in its
     epilogue; on: the kernel quantizes the float activation itself (as its config's ``prequantize`` says: in
-    a launch of its own, or in every output tile). Off by default: the launch of its own cost 3.2 us on the
-    H200, 92 of the 636 us of a 4-layer Qwen3-8B fp8 decode step at batch 1, where Inductor's fusion costs
-    nothing. Block fp8 and weight-only formats are not affected."""
+    a launch of its own, or in every output tile). Off by default: that launch costs time that Inductor's
+    fusion does not. Block fp8 and weight-only formats are not affected."""
     merge_siblings: bool = True
     """Run GEMM sites that read the same activation (a decoder's q, k and v) in one Helion launch."""
     rewrite_on_cpu: bool = False
@@ -104,7 +102,7 @@ class BackendOptions:
     launched after it (:mod:`helion_backend.code_cache`)."""
     verify: bool = field(default_factory=lambda: env_flag(VERIFY_ENV))
     """Self-check: the first run of each fused site at each M also runs the site's unfused reference on the same
-    inputs and compares (relative error at a tolerance of the site's dtypes, :mod:`helion_backend.verify`); a
+    inputs and compares (relative error at a tolerance of the site's dtypes, :mod:`helion_backend.runtime.verify`); a
     site that diverges warns once, notes it in the report and runs its reference from then on. The check runs
     outside CUDA-graph capture (cudagraph trees' warm-up run). Also set by $HELION_INDUCTOR_VERIFY=1; off by
     default, as each first run costs a second computation."""

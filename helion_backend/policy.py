@@ -28,7 +28,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from .vocabulary import (
+from helion_backend.vocabulary import (
     EVIDENCE_CALIBRATED,
     EVIDENCE_EXACT,
     EVIDENCE_NEAREST,
@@ -36,14 +36,14 @@ from .vocabulary import (
     EVIDENCE_PREDICTED,
 )
 
-# Borrowing a verdict across shapes: the closeness and the lead at which leaving one shape out of the shipped
-# table sends no key to Helion where Helion lost (``python benchmarks/policy_loo.py --grid``; numbers in
-# benchmarks/NOTES.md). The lead also covers the timing's run-to-run spread and the borrowed config not
-# being tuned for the key.
+# Borrowing a verdict across shapes: the closest ratio and the largest lead at which leaving one shape out of
+# the shipped table sent no loss to Helion (``python benchmarks/policy_loo.py --grid`` replays the evaluation;
+# benchmarks/NOTES.md has its numbers). The lead also covers the timing's run-to-run spread and the borrowed
+# config not being tuned for the key.
 CLOSE_RATIO = 1.5
 PREDICTED_MARGIN = 1.2
-# Borrowing a verdict across M at one shape (leave one key out): both neighbours leading by 3% sent 405 of
-# the 478 Helion wins to Helion and no loss; without the margin, block fp8 5120 -> 1024 at M = 1 (0.99x).
+# Borrowing a verdict across M at one shape (leave one key out): the smallest lead of both neighbours that
+# sent no loss to Helion.
 NEAREST_MARGIN = 1.03
 
 

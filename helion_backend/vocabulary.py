@@ -11,6 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
+# The torch.compile backend's name, and the namespace of its custom ops (``torch.ops.helion_inductor``):
+# the compile side names the ops it inserts through it, the run time registers them under it.
+BACKEND_NAME = "helion_inductor"
+OP_NAMESPACE = "helion_inductor"
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
@@ -35,6 +40,20 @@ GLU_INT8_FAMILY = "gemm_glu_int8"
 GLU_FAMILIES = (GLU_FAMILY, GLU_FP8_FAMILY, GLU_INT8_FAMILY)
 
 
+# Step names: what rule files, the report and the fused op's ``steps`` argument say. Plain strings (they travel
+# in op arguments, JSON and TOML), spelled only here; the tables below describe each.
+BIAS, RESIDUAL, SCALE, MUL = "bias", "residual", "scale", "mul"
+TOKEN_SCALE, CHANNEL_SCALE, TENSOR_SCALE = "token_scale", "channel_scale", "tensor_scale"
+ACT_SCALE, UP_MUL, CAST = "act_scale", "up_mul", "cast"
+RELU, GELU, GELU_TANH, SILU, SIGMOID = "relu", "gelu", "gelu_tanh", "silu", "sigmoid"
+QUANT_FP8_PER_TOKEN, QUANT_INT8_PER_TOKEN = "quant_fp8_per_token", "quant_int8_per_token"
+DEQUANT_INT8, DEQUANT_INT4 = "dequant_int8", "dequant_int4"
+QUANT_FP8_PER_GROUP, DEQUANT_FP8_BLOCK = "quant_fp8_per_group", "dequant_fp8_block"
+# Transparent steps: views the matcher follows between a GEMM and its epilogue (Inductor's padding undone,
+# the 2-D <-> 3-D reshapes of F.linear). They compute nothing, and no rule names them.
+UNPAD, RESHAPE = "unpad", "reshape"
+
+
 @dataclass(frozen=True)
 class StepKind:
     name: str
@@ -44,41 +63,41 @@ class StepKind:
     only_in: tuple[str, ...] = ()  # the kernel families that can run this step, if not all of them
 
 
-# Unary activations. Their fp32 formulas live in :mod:`helion_backend.epilogue`; the matcher
+# Unary activations. Their fp32 formulas live in :mod:`helion_backend.semantics.epilogue`; the matcher
 # identifies decomposed activation regions against those same formulas.
-ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "gelu_tanh", "silu", "sigmoid")
+ACTIVATIONS: tuple[str, ...] = (RELU, GELU, GELU_TANH, SILU, SIGMOID)
 
 EPILOGUE_STEPS: dict[str, StepKind] = {
     step.name: step
     for step in (
-        StepKind("bias", Operand.ROW, "add a length-N vector to every row"),
-        StepKind("residual", Operand.FULL, "add a tensor of the output's shape"),
-        StepKind("scale", Operand.SCALAR, "multiply by a Python scalar"),
-        StepKind("mul", Operand.FULL, "multiply elementwise by a tensor of the output's shape", True),
-        StepKind("token_scale", Operand.COL, "multiply each row by its own scale ([M, 1])", True),
-        StepKind("channel_scale", Operand.ROW, "multiply each column by its own scale ([N])", True),
-        StepKind("tensor_scale", Operand.ELEMENT, "multiply by a one-element tensor", True),
-        StepKind("act_scale", Operand.NONE, "multiply each row by the scale the fused activation "
+        StepKind(BIAS, Operand.ROW, "add a length-N vector to every row"),
+        StepKind(RESIDUAL, Operand.FULL, "add a tensor of the output's shape"),
+        StepKind(SCALE, Operand.SCALAR, "multiply by a Python scalar"),
+        StepKind(MUL, Operand.FULL, "multiply elementwise by a tensor of the output's shape", True),
+        StepKind(TOKEN_SCALE, Operand.COL, "multiply each row by its own scale ([M, 1])", True),
+        StepKind(CHANNEL_SCALE, Operand.ROW, "multiply each column by its own scale ([N])", True),
+        StepKind(TENSOR_SCALE, Operand.ELEMENT, "multiply by a one-element tensor", True),
+        StepKind(ACT_SCALE, Operand.NONE, "multiply each row by the scale the fused activation "
                  "quantization computed (a token_scale whose operand the prologue produces)", True),
-        StepKind("up_mul", Operand.NONE, "multiply by a second GEMM of the same activation (a gated MLP's "
+        StepKind(UP_MUL, Operand.NONE, "multiply by a second GEMM of the same activation (a gated MLP's "
                  "up projection), computed in the same kernel", True, only_in=GLU_FAMILIES),
         *(StepKind(name, Operand.NONE, f"apply {name}") for name in ACTIVATIONS),
-        StepKind("cast", Operand.NONE, "change the output dtype (the epilogue itself runs in fp32)"),
+        StepKind(CAST, Operand.NONE, "change the output dtype (the epilogue itself runs in fp32)"),
     )
 }
 
 # Steps that only scale the accumulator: they commute with each other (up to fp32 rounding), so the
 # fused activation quantization may take its ``act_scale`` from behind them.
-SCALING_STEPS = frozenset(s.name for s in EPILOGUE_STEPS.values() if s.multiplies and s.name not in ("mul", "up_mul"))
+SCALING_STEPS = frozenset(s.name for s in EPILOGUE_STEPS.values() if s.multiplies and s.name not in (MUL, UP_MUL))
 
 # Prologue steps: what happens to the GEMM's operands before the multiply, inside the kernel.
 QUANT_DTYPES: dict[str, torch.dtype] = {"float8_e4m3fn": torch.float8_e4m3fn, "int8": torch.int8}
 # Dynamic per-token activation quantization, by the dtype it quantizes to.
 ACTIVATION_QUANT_STEPS: dict[torch.dtype, str] = {
-    torch.float8_e4m3fn: "quant_fp8_per_token",
-    torch.int8: "quant_int8_per_token",
+    torch.float8_e4m3fn: QUANT_FP8_PER_TOKEN,
+    torch.int8: QUANT_INT8_PER_TOKEN,
 }
-# The packed int4 weight format that ``dequant_int4`` reads (helion_backend.quantize.Int4WeightOnlyLinear):
+# The packed int4 weight format that ``dequant_int4`` reads (helion_backend.layers.quantize.Int4WeightOnlyLinear):
 # uint8 [N, K/2], byte j of a row holding column 2j in its low nibble and 2j + 1 in its high nibble,
 # values 0..15 standing for q - INT4_ZERO_POINT, and a [N, K/G] scale per group of G columns.
 INT4_ZERO_POINT = 8
@@ -93,12 +112,12 @@ PROLOGUE_STEPS: dict[str, StepKind] = {
     for step in (
         *(StepKind(name, Operand.NONE, f"quantize the activation to {dtype_name(dtype)} with a dynamic "
                    "per-token scale (amax over K)") for dtype, name in ACTIVATION_QUANT_STEPS.items()),
-        StepKind("dequant_int8", Operand.NONE, "convert an int8 weight to the activation's dtype"),
-        StepKind("dequant_int4", Operand.NONE, "unpack an int4 weight stored two per byte (low nibble first), "
+        StepKind(DEQUANT_INT8, Operand.NONE, "convert an int8 weight to the activation's dtype"),
+        StepKind(DEQUANT_INT4, Operand.NONE, "unpack an int4 weight stored two per byte (low nibble first), "
                  f"subtract the zero point {INT4_ZERO_POINT} and multiply by its scale per group along K"),
-        StepKind("quant_fp8_per_group", Operand.NONE, f"quantize the activation to float8_e4m3fn with a dynamic "
+        StepKind(QUANT_FP8_PER_GROUP, Operand.NONE, f"quantize the activation to float8_e4m3fn with a dynamic "
                  f"scale per 1 x {FP8_BLOCK} group along K (amax over the group)"),
-        StepKind("dequant_fp8_block", Operand.NONE, f"scale a float8_e4m3fn weight per {FP8_BLOCK} x {FP8_BLOCK} "
+        StepKind(DEQUANT_FP8_BLOCK, Operand.NONE, f"scale a float8_e4m3fn weight per {FP8_BLOCK} x {FP8_BLOCK} "
                  "block"),
         StepKind(RMSNORM, Operand.NONE, "RMS-normalize each row of the activation over K in float32 and "
                  "scale it by the norm's weight [K] (the norm's eps and dtype round trips as the graph has them)"),
@@ -171,6 +190,8 @@ KERNEL_FAMILIES: dict[str, KernelFamily] = {
     )
 }
 DEFAULT_KERNEL_FAMILY = "gemm"
+# The per-token quantized families (fp8 ``_scaled_mm``, int8 ``_int_mm``).
+FP8_FAMILY, INT8_FAMILY = "gemm_fp8", "gemm_int8"
 # Not a rule's family: the one launch that runs several GEMMs of one activation (passes/shared_input.py
 # groups them), by the family of the sites it takes; its configs are keyed by the sum of their N.
 MULTI_GEMM_FAMILY = "gemm_multi"
@@ -179,6 +200,7 @@ MULTI_GEMM_FAMILIES: dict[str, str] = {
     "gemm_fp8": "gemm_multi_fp8",  # q, k and v on the same quantized rows (and token scale)
     "gemm_int8": "gemm_multi_int8",
 }
+MULTI_GEMM_FP8_FAMILY, MULTI_GEMM_INT8_FAMILY = MULTI_GEMM_FAMILIES[FP8_FAMILY], MULTI_GEMM_FAMILIES[INT8_FAMILY]
 MULTI_GEMM_SLOTS = 3  # sites one such launch runs (a decoder's q, k and v)
 # The single-GEMM family whose kernel each fused family's sites would run alone: a quantized fused family
 # without config table entries for a shape takes that family's (then its defaults) at the same (K, N).

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 import helion_backend
+from helion_backend.compile.rules import BUILTIN_RULES_DIR
 from helion_backend.options import UNTUNED_HELION
 from helion_backend.report import GraphReport, SiteReport
-from helion_backend.rules import BUILTIN_RULES_DIR
 
 CPU_REWRITE = {"rewrite_on_cpu": True}
 # The fp8/int8 per-token activation quantization in the Helion kernel's prologue (by default Inductor computes it).
@@ -74,8 +74,8 @@ class OpCalls:
     has one entry per site run (a shared launch runs several), ``launches`` one per op call."""
 
     def __init__(self, monkeypatch) -> None:
-        from helion_backend import dispatch
-        from helion_backend.epilogue import OUTPUT_SEPARATOR
+        from helion_backend.runtime import dispatch
+        from helion_backend.semantics.epilogue import OUTPUT_SEPARATOR
 
         self.epilogues: list[str] = []
         self.launches = 0

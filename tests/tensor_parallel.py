@@ -27,7 +27,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -226,7 +226,7 @@ def collective_schedule(graph: fx.Graph) -> dict[str, Any]:
     that reads it (seen through views): a pass that swallows, drops or reorders a collective changes the first,
     one that moves a GEMM, its epilogue or its prologue past a collective the second (the op replacing them
     reads their inputs where it runs)."""
-    from helion_backend.patterns import is_collective
+    from helion_backend.compile.recognize.patterns import is_collective
 
     collectives: list[str] = []
     first_read: dict[str, int] = {}
@@ -242,7 +242,7 @@ def collective_schedule(graph: fx.Graph) -> dict[str, Any]:
 
 def record_collective_schedules(schedules: list[dict[str, Any]]) -> None:
     """Wrap the pass manager so that each graph it runs on appends its schedule before and after the pass."""
-    from helion_backend.passes.manager import HelionPassManager
+    from helion_backend.compile.manager import HelionPassManager
 
     run = HelionPassManager.__call__
 
@@ -257,14 +257,14 @@ def record_collective_schedules(schedules: list[dict[str, Any]]) -> None:
 def place_as_on_cuda() -> None:
     """Place sites where a CUDA compile would send them to Helion (the fused op still runs the reference on the
     CPU), so that the manifest records them as a GPU rank would."""
-    from helion_backend.passes import placement, shared_input
+    from helion_backend.compile import placing
 
-    place = placement.place
+    place = placing.place
 
     def on_helion(site, ctx, kernel, n):
-        return placement.Placement("helion", None, place(site, ctx, kernel, n).helion_limit)
+        return placing.Placement("helion", None, place(site, ctx, kernel, n).max_helion_m)
 
-    placement.place = shared_input.place = on_helion
+    placing.place = on_helion
 
 
 # --------------------------------------------------------------------------------------------------

@@ -16,10 +16,11 @@ from test_manifest import sites_placed_on_helion  # noqa: F401 (a fixture)
 from test_tuning import config, reference_kernels  # noqa: F401 (a fixture)
 
 import helion_backend
-from helion_backend import backend, tuning
+from helion_backend import backend, tables
 from helion_backend.kernels import configs
 from helion_backend.options import DEFAULT_TUNE_BUDGET_S, DEFAULT_TUNE_EFFORT, BackendOptions
-from helion_backend.tuning import ConfigTable, TuneKey
+from helion_backend.tuning import loop as tuning
+from helion_backend.tuning.loop import ConfigTable, TuneKey
 
 CUDA = torch.device("cuda")
 REAL_TUNE_KEY = tuning.tune_key
@@ -51,8 +52,8 @@ def fake_cuda(tmp_path, monkeypatch, sites_placed_on_helion):  # noqa: F811
     """A compile on the CPU whose sites go to Helion and whose tables are test_gpu's (the shipped one in
     ``tmp_path/shipped``); the key loop tunes with ``tuned`` (default: a fixed entry), recording the keys."""
     monkeypatch.setattr(backend, "_tuning_device", lambda example_inputs: torch.device("cpu"))
-    monkeypatch.setattr(configs, "gpu_key", lambda device: "test_gpu")
-    monkeypatch.setattr(configs, "TUNED_DIR", tmp_path / "shipped")
+    monkeypatch.setattr(tables, "gpu_key", lambda device: "test_gpu")
+    monkeypatch.setattr(tables, "TUNED_DIR", tmp_path / "shipped")
     monkeypatch.setattr(tuning, "table_metadata", lambda device: {"device": "test"})
     configs.forget_tables()
     tuned: list[TuneKey] = []
@@ -284,8 +285,8 @@ def test_compile_autotunes_a_missing_key_into_the_user_table(tmp_path, caplog):
     linear = torch.nn.Linear(1024, 384, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(3, 1024, device="cuda", dtype=torch.bfloat16)
     options = {"autotune_missing": True, "autotune_budget_s": 5, "cache_dir": str(tmp_path)}
-    gpu = configs.gpu_key(CUDA)
-    assert not configs.has_entry("gemm", "bfloat16", 1024, 384, 3, CUDA, None), "the shipped table has the key"
+    gpu = tables.gpu_key(CUDA)
+    assert not tables.has_entry("gemm", "bfloat16", 1024, 384, 3, CUDA, None), "the shipped table has the key"
     compiled = torch.compile(lambda x: F.gelu(linear(x), approximate="tanh"), backend="helion_inductor",
                              options=options)
     with torch.no_grad(), caplog.at_level(logging.INFO, logger="helion_backend"):

@@ -13,9 +13,10 @@ import torch.nn.functional as F
 from helpers import compile_run, randn, rel_err, sites
 
 import helion_backend
-from helion_backend import graph_drawing
+from helion_backend.compile import graph_drawing
+from helion_backend.compile.manager import HelionPassManager
+from helion_backend.environment import package_digest, source_digest
 from helion_backend.options import BackendOptions
-from helion_backend.passes.manager import HelionPassManager, package_digest, source_digest
 from helion_backend.report import GraphReport
 
 
@@ -195,7 +196,9 @@ def test_a_graph_served_from_the_fx_graph_cache_is_dumped_to_debug_dir_too(tmp_p
             return report, {}
         (graph_dir,) = [p for p in debug_dir.iterdir() if p.is_dir()]
         assert graph_dir.name == report.graph
-        return report, {p.name: p.read_text() for p in graph_dir.iterdir()}
+        # The per-pass dumps are written where the passes ran: not on a hit.
+        assert (graph_dir / "passes").is_dir() == (not report.from_cache)
+        return report, {p.name: p.read_text() for p in graph_dir.iterdir() if p.is_file()}
 
     torch.compile(fn, backend="helion_inductor", options=options)(x, w, b)  # fills the caches, no dumps
     rewritten, first = compile_anew(tmp_path / "dumps_recompiled")
@@ -239,7 +242,8 @@ def test_debug_dir_dumps(tmp_path):
     compile_run(fn, x, w, b, options={"rewrite_on_cpu": True, "debug_dir": str(tmp_path)})
     (graph_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     picture = {graph_drawing.PICTURE_FILE} if graph_drawing.drawing_available() else set()
-    assert {p.name for p in graph_dir.iterdir()} == {"before.py", "after.py", "summary.txt", "report.json", *picture}
+    assert {p.name for p in graph_dir.iterdir()} == {"before.py", "after.py", "summary.txt", "report.json", "passes",
+                                                     *picture}
     report = json.loads((graph_dir / "report.json").read_text())
     assert report["sites"][0]["epilogue"] == ["bias", "silu"]
     assert set(report["sites"][0]) >= {"rule", "anchor", "anchor_op", "prologue", "epilogue", "kernel",
@@ -247,6 +251,20 @@ def test_debug_dir_dumps(tmp_path):
     assert "helion_inductor.gemm_epilogue" in (graph_dir / "after.py").read_text()
     assert "aten.addmm" in (graph_dir / "before.py").read_text()
     assert "gemm_activation" in (graph_dir / "summary.txt").read_text()
+
+    # One dump per pass, in pipeline order: the sites it saw and left, the graph's change where it made one.
+    from helion_backend.compile.passes import ANALYSIS, TRANSFORMS
+
+    dumps = sorted((graph_dir / "passes").iterdir())
+    assert [p.name for p in dumps] == [f"{i:02d}_{s.name}.txt" for i, s in enumerate([*ANALYSIS, *TRANSFORMS])]
+    text = {p.name.split("_", 1)[1].removesuffix(".txt"): p.read_text() for p in dumps}
+    assert text["normalize"].startswith("pass normalize: ") and " ms\n" in text["normalize"]
+    assert "# sites before\n(none)" in text["normalize"] and "addmm: rule=None" in text["normalize"]
+    assert "addmm: rule=gemm_activation" in text["match"].split("# sites after", 1)[1]
+    assert "runs_on=reference" in text["placement"].split("# sites after", 1)[1]
+    assert all(text[s.name].endswith("# graph\nunchanged\n") for s in ANALYSIS)
+    rewrite_diff = text["rewrite"].split("# graph\n", 1)[1]
+    assert rewrite_diff.startswith("--- before") and "+" in rewrite_diff and "gemm_epilogue" in rewrite_diff
 
 
 def test_debug_env_vars(tmp_path):
@@ -271,12 +289,12 @@ def test_debug_env_vars(tmp_path):
 
 
 def test_a_failing_analysis_pass_leaves_the_graph_to_inductor(monkeypatch, caplog):
-    from helion_backend.passes import match
+    from helion_backend.compile import selection
 
     def broken(value, n):
         raise RuntimeError("injected matcher bug")
 
-    monkeypatch.setattr(match, "next_step", broken)
+    monkeypatch.setattr(selection, "next_step", broken)
     x, w, b = randn(4, 32), randn(48, 32), randn(48)
     fn = lambda x, w, b: F.gelu(F.linear(x, w, b))  # noqa: E731
     with caplog.at_level("WARNING"):

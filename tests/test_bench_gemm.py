@@ -17,8 +17,9 @@ if str(ROOT) not in sys.path:  # `pytest` (unlike `python -m pytest`) does not p
 
 from benchmarks import bench_gemm  # noqa: E402
 from benchmarks.common import MERGED_COMMAND  # noqa: E402
-from helion_backend.quantize import QUANT_FORMATS  # noqa: E402
-from helion_backend.tuning_problems import QUANT_FORMAT_OF  # noqa: E402
+from helion_backend import tables  # noqa: E402
+from helion_backend.layers.quantize import QUANT_FORMATS  # noqa: E402
+from helion_backend.tuning.problems import QUANT_FORMAT_OF  # noqa: E402
 from helion_backend.vocabulary import KERNEL_FAMILIES  # noqa: E402
 
 NEW_FORMATS = ("int4_weight_only", "fp8_block")
@@ -180,22 +181,22 @@ def test_holding_out_a_family_removes_its_keys_from_the_tables_for_the_run(monke
     without an entry in any family, while Qwen3-32B's keep theirs; afterwards the shipped table is back."""
     from helion_backend.kernels import configs
 
-    monkeypatch.setattr(configs, "gpu_key", lambda device: "nvidia_h200")
+    monkeypatch.setattr(tables, "gpu_key", lambda device: "nvidia_h200")
     cuda = torch.device("cuda")
 
     def evidence(k, n, kernel="gemm", dtype=torch.bfloat16, m=8):
-        return configs.decision(m, k, n, dtype, cuda, None, kernel).evidence
+        return tables.decision(m, k, n, dtype, cuda, None, kernel).evidence
 
-    shipped_dir = configs.TUNED_DIR
+    shipped_dir = tables.TUNED_DIR
     configs.forget_tables()
     assert evidence(4096, 4096) == "exact" and evidence(4096, 6144, "gemm_multi") == "exact"
     with bench_gemm.holding_out(["llama3_1_8b"]) as shapes:
-        assert (4096, 4096) in shapes and configs.TUNED_DIR != shipped_dir
+        assert (4096, 4096) in shapes and tables.TUNED_DIR != shipped_dir
         assert evidence(4096, 4096) != "exact" and evidence(4096, 1024, "gemm_fp8", torch.float8_e4m3fn) != "exact"
         assert evidence(4096, 6144, "gemm_multi") != "exact"
         assert evidence(5120, 8192) == "exact"  # Qwen3-32B's q
         assert "bench_held_out_" in os.environ["HELION_INDUCTOR_CACHE_DIR"]  # no user table
-    assert configs.TUNED_DIR == shipped_dir and evidence(4096, 4096) == "exact"
+    assert tables.TUNED_DIR == shipped_dir and evidence(4096, 4096) == "exact"
     assert os.environ.get("HELION_INDUCTOR_CACHE_DIR", "").find("bench_held_out_") < 0
 
 

@@ -6,6 +6,7 @@ import helion
 import pytest
 import torch
 
+from helion_backend import tables
 from helion_backend.kernels import configs
 from helion_backend.vocabulary import KERNEL_FAMILIES, MEMBER_FAMILY
 
@@ -14,8 +15,8 @@ CUDA = torch.device("cuda")  # a device object only: nothing runs on it here
 
 @pytest.fixture
 def table_dir(tmp_path, monkeypatch):
-    monkeypatch.setattr(configs, "TUNED_DIR", tmp_path)
-    monkeypatch.setattr(configs, "gpu_key", lambda device: "test_gpu")
+    monkeypatch.setattr(tables, "TUNED_DIR", tmp_path)
+    monkeypatch.setattr(tables, "gpu_key", lambda device: "test_gpu")
     configs.forget_tables()
     yield tmp_path
     configs.forget_tables()
@@ -27,8 +28,8 @@ def entry(m, block_n, k=4096, n=12288):
 
 
 def test_shipped_h200_table_loads_every_entry():
-    configs._table.cache_clear()
-    table = configs._table("nvidia_h200")
+    tables._table.cache_clear()
+    table = tables._table("nvidia_h200")
     assert table, "the shipped H200 table is missing or invalid"
     for (kernel, dtype, k, n), entries in table.items():
         # The shared launches (gemm_multi, gemm_multi_fp8, ...) run sites of a member family (no rule names them).
@@ -36,7 +37,7 @@ def test_shipped_h200_table_loads_every_entry():
         assert dtype in family.dtypes and k > 0 and n > 0
         # Row tiles of 16 or 32, and of 64 where both operands are one byte (Hopper's wgmma, tuning_candidates).
         row_blocks = (16, 32, 64) if dtype in ("float8_e4m3fn", "int8") else (16, 32)
-        assert all(isinstance(e.config, helion.Config) and e.config["block_sizes"][0] in row_blocks for e in entries)
+        assert all(isinstance(e.config, dict) and e.config["block_sizes"][0] in row_blocks for e in entries)
         assert [e.m for e in entries] == sorted(e.m for e in entries)
 
 
@@ -72,7 +73,7 @@ def timed(m, lead, k=4096, n=12288, **fields):
 
 
 def decisions(ms, k=4096, n=12288, user_dir=None):
-    found = {m: configs.decision(m, k, n, torch.bfloat16, CUDA, user_dir) for m in ms}
+    found = {m: tables.decision(m, k, n, torch.bfloat16, CUDA, user_dir) for m in ms}
     return {m: (d.evidence, d.helion, d.source) for m, d in found.items()}
 
 
@@ -91,7 +92,7 @@ def test_a_tuned_m_follows_its_own_entry_and_an_untuned_one_both_tuned_neighbour
     }
     # The config comes from the smallest tuned M >= m, as before.
     assert configs.config_for(2, 4096, 12288, torch.bfloat16, CUDA)["block_sizes"][1] == 32
-    assert configs.decision(1, 4096, 12288, torch.bfloat16, torch.device("cpu")).evidence == "none"
+    assert tables.decision(1, 4096, 12288, torch.bfloat16, torch.device("cpu")).evidence == "none"
 
 
 def test_a_narrow_win_is_no_verdict_for_the_ms_between(table_dir):
@@ -113,11 +114,11 @@ def test_an_untuned_shape_borrows_only_a_close_shapes_lasting_lead(table_dir):
         16: ("predicted", False, (4096, 12288, 16)),  # a 5% lead is not enough to borrow
         32: ("predicted", False, (4096, 12288, 16)),  # the lead broke below 32
     }
-    predicted = configs.decision(4, 4096, near, torch.bfloat16, CUDA)
-    assert configs.config_for(4, 4096, near, torch.bfloat16, CUDA) == predicted.config
+    predicted = tables.decision(4, 4096, near, torch.bfloat16, CUDA)
+    assert configs.config_for(4, 4096, near, torch.bfloat16, CUDA) == helion.Config(**predicted.config)
     # Twice the N, or another dtype: nothing close enough; the default config if Helion runs anyway.
     assert decisions((1,), n=2 * 12288) == {1: ("none", False, None)}
-    assert configs.decision(1, 4096, near, torch.float16, CUDA).evidence == "none"
+    assert tables.decision(1, 4096, near, torch.float16, CUDA).evidence == "none"
     assert configs.config_for(1, 4096, 2 * 12288, torch.bfloat16, CUDA) == configs.default_config(
         1, 4096, 2 * 12288, torch.bfloat16)
 

@@ -41,11 +41,11 @@ import torch.nn.functional as F
 from helpers import DEVICE, DEVICE_OPTIONS, TOLERANCE, rel_err, sites
 
 import helion_backend
+from helion_backend.compile.passes.cleanup import ALSO_RUNS_NOTE
+from helion_backend.compile.placing import MIN_KERNEL_K
+from helion_backend.compile.rules import builtin_rule_files, load_rules
 from helion_backend.options import BackendOptions
-from helion_backend.passes.cleanup import ALSO_RUNS_NOTE
-from helion_backend.passes.placement import MIN_KERNEL_K
 from helion_backend.report import GraphReport, SiteReport
-from helion_backend.rules import builtin_rule_files, load_rules
 from helion_backend.vocabulary import ACTIVATIONS, DEFAULT_KERNEL_FAMILY
 
 NUM_PROGRAMS = int(os.environ.get("HELION_INDUCTOR_FUZZ_PROGRAMS", "300"))

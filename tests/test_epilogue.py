@@ -5,7 +5,12 @@ import torch
 import torch.nn.functional as F
 from helpers import TORCH_ACTIVATIONS
 
-from helion_backend.epilogue import ACTIVATION_FORMULAS, apply_epilogue, format_steps, parse_epilogue
+from helion_backend.semantics.epilogue import (
+    ACTIVATION_FORMULAS,
+    apply_epilogue,
+    format_steps,
+    parse_epilogue,
+)
 
 
 @pytest.mark.parametrize("name", sorted(ACTIVATION_FORMULAS))

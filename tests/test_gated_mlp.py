@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from helpers import CPU_REWRITE, WITHOUT_GATED, compile_run, sites
 
-from helion_backend.rules import RuleError, load_rule_file
+from helion_backend.compile.rules import RuleError, load_rule_file
 
 
 class GatedMLP(nn.Module):

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import helion_backend
+from helion_backend import tables
 
 pytestmark = pytest.mark.gpu
 
@@ -98,7 +99,7 @@ def write_user_table(cache_dir, leads: dict[int, float], k: int = K, n: int = N)
                for m, lead in leads.items()]
     folder = cache_dir / "configs"
     folder.mkdir(parents=True)
-    (folder / f"{configs.gpu_key(torch.device('cuda'))}.json").write_text(json.dumps({"entries": entries}))
+    (folder / f"{tables.gpu_key(torch.device('cuda'))}.json").write_text(json.dumps({"entries": entries}))
     configs.forget_tables()
 
 
@@ -159,8 +160,8 @@ def test_an_untuned_shape_stays_with_inductor_by_default(tmp_path):
 def test_failing_helion_kernel_falls_back_with_a_warning(fault, monkeypatch, caplog):
     """A kernel that cannot compile (injected), or a config invalid for the shape, costs the site its
     fusion, not the model its output: one warning naming the site, a note in the report, right numbers."""
-    from helion_backend import dispatch
     from helion_backend.kernels import gemm
+    from helion_backend.runtime import dispatch
 
     if fault == "compile":
         def broken(*args, **kwargs):
@@ -174,7 +175,7 @@ def test_failing_helion_kernel_falls_back_with_a_warning(fault, monkeypatch, cap
     w, b = make_weights()
     fn = lambda x: F.silu(F.linear(x, w, b))  # noqa: E731
     compiled = torch.compile(fn, backend="helion_inductor")
-    with caplog.at_level("WARNING", logger="helion_backend.dispatch"):
+    with caplog.at_level("WARNING", logger="helion_backend.runtime.dispatch"):
         for _ in range(3):  # warm-up, record, replay
             x = torch.randn(8, K, device="cuda", dtype=torch.bfloat16)
             out = compiled(x)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import helion_backend
-from helion_backend.passes.placement import MIN_KERNEL_K
+from helion_backend.compile.placing import MIN_KERNEL_K
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.gpu

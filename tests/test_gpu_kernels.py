@@ -10,12 +10,12 @@ import helion
 import pytest
 import torch
 
-from helion_backend.dispatch import flatten_operands
-from helion_backend.epilogue import apply_epilogue, operand_kinds
 from helion_backend.kernels import configs, gemm
 from helion_backend.kernels.gemm import gemm_epilogue_helion, glu_gemm_helion
-from helion_backend.norm import RmsNormSpec, rms_norm
-from helion_backend.tuning_candidates import GEMV_CANDIDATES, candidate_configs
+from helion_backend.runtime.dispatch import flatten_operands
+from helion_backend.semantics.epilogue import apply_epilogue, operand_kinds
+from helion_backend.semantics.norm import RmsNormSpec, rms_norm
+from helion_backend.tuning.candidates import GEMV_CANDIDATES, candidate_configs
 from helion_backend.vocabulary import EPILOGUE_STEPS, Operand
 
 pytestmark = pytest.mark.gpu

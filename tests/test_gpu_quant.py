@@ -1,6 +1,6 @@
 """Quantized linears on a CUDA GPU: the fused Helion kernels against the unfused quantized graph.
 
-Each model is built with :mod:`helion_backend.quantize` (the forms vLLM and torchao write), compiled with
+Each model is built with :mod:`helion_backend.layers.quantize` (the forms vLLM and torchao write), compiled with
 the backend under CUDA graphs, and compared on fresh random inputs with (a) the same quantized module run
 eagerly, unfused, where the fused kernel must reach 40 dB SQNR, and (b) the float module in float64,
 which the fused kernel must match at least as well as the unfused graph does (up to 0.5 dB).
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from helpers import sites, sqnr_db
 
 import helion_backend
-from helion_backend.quantize import quantize
+from helion_backend.layers.quantize import quantize
 
 pytestmark = pytest.mark.gpu
 
@@ -90,10 +90,10 @@ def test_quant_kernel_64_row_tiles(qdtype, split_k, m):
     """64-row tiles (Hopper's wgmma) on quantized rows, M below the block (one row runs as two)."""
     import helion
 
-    from helion_backend.dispatch import reference
     from helion_backend.kernels.configs import PREQUANTIZE
     from helion_backend.kernels.quant_gemm import quant_gemm_helion
-    from helion_backend.quantize import Fp8DynamicLinear, Int8DynamicLinear
+    from helion_backend.layers.quantize import Fp8DynamicLinear, Int8DynamicLinear
+    from helion_backend.runtime.dispatch import reference
 
     torch.manual_seed(m)
     linear = nn.Linear(4096, 512).to(device="cuda", dtype=torch.bfloat16)
@@ -117,10 +117,10 @@ def test_quant_gemv_form_at_one_row(qdtype, tile):
     products in fp32, against the unfused quantized graph."""
     import helion
 
-    from helion_backend.dispatch import reference
     from helion_backend.kernels.configs import GEMV
     from helion_backend.kernels.quant_gemm import quant_gemm_helion
-    from helion_backend.quantize import Fp8DynamicLinear, Int8DynamicLinear
+    from helion_backend.layers.quantize import Fp8DynamicLinear, Int8DynamicLinear
+    from helion_backend.runtime.dispatch import reference
 
     torch.manual_seed(2)
     n = 1008  # 16 x 63: fp8's _scaled_mm needs a multiple of 16, and no N tile above 16 divides it
@@ -141,7 +141,7 @@ def test_quant_gemv_form_at_one_row(qdtype, tile):
 
 def _swapped_configs():
     from helion_backend.kernels.configs import SWAP_AB
-    from helion_backend.tuning_candidates import SWAPPED_CANDIDATES, candidate_configs
+    from helion_backend.tuning.candidates import SWAPPED_CANDIDATES, candidate_configs
 
     return candidate_configs(32, 1008, SWAPPED_CANDIDATES, **{SWAP_AB: True})
 
@@ -153,9 +153,9 @@ def _swapped_configs():
 def test_quant_swapped_form(qdtype, m, config):
     """The sweep's ``swap_ab`` tiles (``w @ x.T``, transposed back for the epilogue) on quantized rows, split
     or not, with an N that no 64-wide block divides, against the unfused quantized graph."""
-    from helion_backend.dispatch import reference
     from helion_backend.kernels.quant_gemm import quant_gemm_helion
-    from helion_backend.quantize import Fp8DynamicLinear, Int8DynamicLinear
+    from helion_backend.layers.quantize import Fp8DynamicLinear, Int8DynamicLinear
+    from helion_backend.runtime.dispatch import reference
 
     torch.manual_seed(3)
     n = 1008
@@ -174,9 +174,9 @@ def test_quant_swapped_form(qdtype, m, config):
 @pytest.mark.parametrize("m", [1, 8, 32])
 def test_weight_only_swapped_form(m):
     """``swap_ab`` on float rows and an int8 weight (converted to the rows' dtype in the K loop)."""
-    from helion_backend.dispatch import reference
     from helion_backend.kernels.quant_gemm import quant_gemm_helion
-    from helion_backend.quantize import Int8WeightOnlyLinear
+    from helion_backend.layers.quantize import Int8WeightOnlyLinear
+    from helion_backend.runtime.dispatch import reference
 
     torch.manual_seed(4)
     linear = nn.Linear(4096, 1008).to(device="cuda", dtype=torch.bfloat16)
@@ -198,10 +198,10 @@ def test_quant_kernel_split_k(qdtype, split_k, prequantize):
     the activation is quantized inside the GEMM kernel, or once by a kernel of its own."""
     import helion
 
-    from helion_backend.dispatch import reference
     from helion_backend.kernels.configs import PREQUANTIZE
     from helion_backend.kernels.quant_gemm import quant_gemm_helion
-    from helion_backend.quantize import Fp8DynamicLinear, Int8DynamicLinear
+    from helion_backend.layers.quantize import Fp8DynamicLinear, Int8DynamicLinear
+    from helion_backend.runtime.dispatch import reference
 
     torch.manual_seed(1)
     linear = nn.Linear(4096, 512).to(device="cuda", dtype=torch.bfloat16)
@@ -227,9 +227,9 @@ def test_int4_kernel_blocks_groups_and_split_k(paired_loads, group_size, block_k
     views or as pairs (``paired_loads``)."""
     import helion
 
-    from helion_backend.dispatch import dequantize_int4, reference
     from helion_backend.kernels.quant_gemm import int4_gemm_helion
-    from helion_backend.quantize import Int4WeightOnlyLinear
+    from helion_backend.layers.quantize import Int4WeightOnlyLinear
+    from helion_backend.runtime.dispatch import dequantize_int4, reference
 
     torch.manual_seed(2)
     linear = nn.Linear(4096, 512).to(device="cuda", dtype=torch.bfloat16)
@@ -252,9 +252,9 @@ def test_block_fp8_kernel_blocks_and_split_k(prequantize_block_k, block_mn, spli
     ``prequantize``, groups dequantized first and K blocks of several groups."""
     import helion
 
-    from helion_backend.dispatch import dequantize_block_fp8, reference
     from helion_backend.kernels.quant_gemm import block_fp8_gemm_helion
-    from helion_backend.quantize import BlockFp8Linear
+    from helion_backend.layers.quantize import BlockFp8Linear
+    from helion_backend.runtime.dispatch import dequantize_block_fp8, reference
 
     torch.manual_seed(3)
     linear = nn.Linear(4096, 512).to(device="cuda", dtype=torch.bfloat16)
@@ -281,7 +281,7 @@ def test_block_fp8_scaled_mm_runs_as_the_block_fp8_kernel(m, bias, gelu):
     is the hand-written module of the same layer: cuBLASLt's blockwise kernel itself refuses an M that is
     not a multiple of 4 (torch 2.11, H200: CUBLAS_STATUS_NOT_SUPPORTED at M = 1 and 33), which the fused
     kernel does not."""
-    from helion_backend.quantize import BlockFp8Linear, _probe_blockwise_scaled_mm
+    from helion_backend.layers.quantize import BlockFp8Linear, _probe_blockwise_scaled_mm
 
     problem = _probe_blockwise_scaled_mm(torch.device("cuda"), torch.bfloat16)
     if problem is not None:
@@ -313,7 +313,7 @@ def test_fp8_with_a_symbolic_token_count_runs_the_fused_kernel(form, dynamic):
     keeps the fp8 sites fused as with a static M (the per-token one reading the rows Inductor quantized, or
     with ``fuse_activation_quant`` quantizing them in its prologue): the Helion kernel up to M = 32, the
     unrewritten graph above (M = 64, a multiple of 4 as cuBLAS' blockwise ``_scaled_mm`` needs)."""
-    from helion_backend.quantize import BlockFp8Linear, _probe_blockwise_scaled_mm
+    from helion_backend.layers.quantize import BlockFp8Linear, _probe_blockwise_scaled_mm
 
     fmt = form.removesuffix("_scaled_mm").removesuffix("_kernel_quant")
     fused = form.endswith("_kernel_quant")
@@ -340,7 +340,7 @@ def test_fp8_with_a_symbolic_token_count_runs_the_fused_kernel(form, dynamic):
 
 def _program_of(module: nn.Module):
     """The program the matcher records for ``module``'s activation quantization."""
-    from helion_backend.passes.trace import trace_sites
+    from helion_backend.compile.trace import trace_sites
 
     x = torch.randn(4, module.in_features, device="cuda", dtype=torch.bfloat16)
     (site,) = trace_sites(module, x, fuse_activation_quant=True)
@@ -431,9 +431,9 @@ def test_quantized_sibling_kernels_against_float64_with_poisoned_outputs(qdtype,
     """The shared launch and the gated kernel on quantized rows, each output against float64 of the same
     quantized operands; the allocator's memory is filled with NaN first, so an output tile left unwritten
     shows up."""
-    from helion_backend.dispatch import flatten_operands
     from helion_backend.kernels.gemm import glu_gemm_helion
     from helion_backend.kernels.multi_gemm import multi_gemm_helion
+    from helion_backend.runtime.dispatch import flatten_operands
 
     torch.manual_seed(m)
     k, widths = 1024, [1024, 256, 256]

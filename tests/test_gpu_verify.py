@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import helion_backend
-from helion_backend import dispatch, verify
+from helion_backend.runtime import dispatch, verify
 
 pytestmark = pytest.mark.gpu
 

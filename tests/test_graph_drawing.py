@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from helpers import CPU_REWRITE, compile_run, randn, rel_err
 
-from helion_backend import graph_drawing
+from helion_backend.compile import graph_drawing
 
 SVG = "{http://www.w3.org/2000/svg}"
 needs_graphviz = pytest.mark.skipif(
@@ -120,7 +120,7 @@ def test_a_failure_to_draw_costs_the_picture_not_the_compile(tmp_path, monkeypat
     def broken(sketch, ctx):
         raise RuntimeError("no layout")
 
-    monkeypatch.setattr("helion_backend.passes.manager.draw", broken)
+    monkeypatch.setattr("helion_backend.compile.manager.draw", broken)
     x, w, b = randn(4, 32), randn(48, 32), randn(48)
     fn = lambda x, w, b: F.gelu(F.linear(x, w, b))  # noqa: E731
     out, (report,) = compile_run(fn, x, w, b, options={**CPU_REWRITE, "debug_dir": str(tmp_path)})

@@ -90,7 +90,7 @@ def test_quantized_decoder_fuses_every_projection(fmt, options):
     site, and the compiled logits match the eager quantized model. Weight-only sites take their
     dequantization as the prologue; fp8 and int8 sites read the rows Inductor quantized (with the norm or
     residual add that produces them), or with ``fuse_activation_quant`` quantize them in their prologue."""
-    from helion_backend.quantize import quantize
+    from helion_backend.layers.quantize import quantize
 
     torch.manual_seed(0)
     model = quantize(transformers.AutoModelForCausalLM.from_config(config("qwen3")).eval(), fmt)

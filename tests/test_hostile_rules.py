@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from helion_backend.rules import RuleError, load_rule_file, load_rules
+from helion_backend.compile.rules import RuleError, load_rule_file, load_rules
 
 RULE_START = '[[rule]]\nname = "r"\n'
 HEADER = RULE_START + 'anchor = ["mm"]\n'  # an offending key appended to it is on line 4

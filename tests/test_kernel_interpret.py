@@ -25,10 +25,10 @@ from helion.runtime.kernel import BoundKernel  # noqa: E402
 from triton.language.extra import libdevice  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
-from helion_backend.dispatch import flatten_operands  # noqa: E402
-from helion_backend.epilogue import apply_epilogue, operand_kinds  # noqa: E402
 from helion_backend.kernels import configs, gemm, run_kernel  # noqa: E402
 from helion_backend.kernels.gemm import gemm_epilogue_helion  # noqa: E402
+from helion_backend.runtime.dispatch import flatten_operands  # noqa: E402
+from helion_backend.semantics.epilogue import apply_epilogue, operand_kinds  # noqa: E402
 from helion_backend.vocabulary import EPILOGUE_STEPS, Operand  # noqa: E402
 
 # Triton fixes interpreted or compiled per function when it is decorated (its standard library when
@@ -225,7 +225,7 @@ def test_rejects_malformed_epilogue_arguments(steps, operands, scalars, match):
 
 def program_from(quantize_fn, x: torch.Tensor, w_kn: torch.Tensor):
     """The program the backend records for ``quantize_fn(x) -> (x_quantized, scale)`` before an int8 GEMM."""
-    from helion_backend.passes.trace import trace_sites
+    from helion_backend.compile.trace import trace_sites
 
     def linear(x):
         quantized, scale = quantize_fn(x)
@@ -251,9 +251,9 @@ QUANT_STEPS = ("act_scale", "channel_scale", "bias", "relu")
 @pytest.mark.parametrize("split_k", [1, 2])
 def test_dynamic_int8_kernel_matches_the_unfused_graph(split_k, prequantize):
     """The activation quantized in every output tile, or once by its own kernel (``prequantize``)."""
-    from helion_backend.dispatch import reference
     from helion_backend.kernels.configs import PREQUANTIZE
     from helion_backend.kernels.quant_gemm import quant_gemm_helion
+    from helion_backend.runtime.dispatch import reference
 
     m, k, n = 5, 600, 40
     x = torch.randn(m, k)
@@ -274,10 +274,10 @@ def test_int8_kernel_on_rows_quantized_before_it(split_k, m, block_m):
     shipped configs' ``prequantize`` has nothing to quantize), their [M, 1] scale applied by ``token_scale``
     after the int32 -> fp32 cast, in the graph's order. One row under a 64-row block runs as two identical
     rows (so that the block holds), the per-row scale with it."""
-    from helion_backend.dispatch import flatten_operands, reference
     from helion_backend.kernels.configs import PREQUANTIZE
     from helion_backend.kernels.gemm import record_launches
     from helion_backend.kernels.quant_gemm import lowp_gemm_kernel, quant_gemm_helion
+    from helion_backend.runtime.dispatch import flatten_operands, reference
 
     k, n = 600, 40
     xq, scale = int8_per_token(torch.randn(m, k))
@@ -300,10 +300,10 @@ def test_int8_kernel_on_rows_quantized_before_it(split_k, m, block_m):
 def test_int8_gemv_form_on_quantized_rows(quantized_by):
     """``gemv`` on int8: rows quantized before the call (the default compile's site), or by the site's own
     program, which the GEMV form always runs first, in its own kernel, whether or not ``prequantize`` says so."""
-    from helion_backend.dispatch import flatten_operands, reference
     from helion_backend.kernels.configs import GEMV, PREQUANTIZE
     from helion_backend.kernels.gemm import gemv_kernel, record_launches
     from helion_backend.kernels.quant_gemm import quant_gemm_helion, quantize_rows_kernel
+    from helion_backend.runtime.dispatch import flatten_operands, reference
 
     k, n = 600, 40
     x = torch.randn(1, k)
@@ -334,10 +334,10 @@ def test_swapped_kernel_matches_the_unfused_graph(rows, m, split_k, layout):
     per-row and per-column operands the right way round; M over several row blocks, partial tiles on both
     sides, a split K, the weight stored [N, K] (``nn.Linear``'s) or [K, N]. int8 rows Inductor quantized
     (int32 products), or float rows by an int8 weight."""
-    from helion_backend.dispatch import flatten_operands, reference
     from helion_backend.kernels.configs import SWAP_AB
     from helion_backend.kernels.gemm import record_launches
     from helion_backend.kernels.quant_gemm import quant_gemm_helion, swapped_lowp_gemm_kernel
+    from helion_backend.runtime.dispatch import flatten_operands, reference
 
     k, n = 600, 80
     w_kn = torch.randint(-128, 128, (n, k), dtype=torch.int8).t()
@@ -363,10 +363,14 @@ def test_swapped_kernel_matches_the_unfused_graph(rows, m, split_k, layout):
 def test_swapped_kernel_quantizes_the_rows_first():
     """A site that quantizes its own rows (``fuse_activation_quant``) runs the swapped form on rows quantized by
     their own kernel first, whether or not the config says ``prequantize``."""
-    from helion_backend.dispatch import reference
     from helion_backend.kernels.configs import SWAP_AB
     from helion_backend.kernels.gemm import record_launches
-    from helion_backend.kernels.quant_gemm import quant_gemm_helion, quantize_rows_kernel, swapped_lowp_gemm_kernel
+    from helion_backend.kernels.quant_gemm import (
+        quant_gemm_helion,
+        quantize_rows_kernel,
+        swapped_lowp_gemm_kernel,
+    )
+    from helion_backend.runtime.dispatch import reference
 
     m, k, n = 5, 600, 80
     x = torch.randn(m, k)
@@ -433,9 +437,9 @@ def test_int4_weight_only_kernel_dequantizes_as_the_graph(dtype, split_k, paired
     dequantization is elementwise math in the activation's dtype; test_gpu_quant.py runs bfloat16)."""
     import torch.nn as nn
 
-    from helion_backend.dispatch import dequantize_int4, reference
     from helion_backend.kernels.quant_gemm import int4_gemm_helion
-    from helion_backend.quantize import Int4WeightOnlyLinear
+    from helion_backend.layers.quantize import Int4WeightOnlyLinear
+    from helion_backend.runtime.dispatch import dequantize_int4, reference
 
     torch.manual_seed(split_k)
     layer = Int4WeightOnlyLinear.from_linear(nn.Linear(600, 40).to(dtype), group_size=40)
@@ -480,10 +484,10 @@ def test_block_fp8_kernel_scales_each_block_product(prequantize, split_k, m):
     (the last one partial) and an N block of 256, capped at one weight block."""
     import torch.nn as nn
 
-    from helion_backend.dispatch import dequantize_block_fp8, reference
+    from helion_backend.compile.trace import trace_sites
     from helion_backend.kernels.quant_gemm import block_fp8_gemm_helion
-    from helion_backend.passes.trace import trace_sites
-    from helion_backend.quantize import FP8_BLOCK, BlockFp8Linear
+    from helion_backend.layers.quantize import FP8_BLOCK, BlockFp8Linear
+    from helion_backend.runtime.dispatch import dequantize_block_fp8, reference
 
     torch.manual_seed(split_k)
     layer = BlockFp8Linear.from_linear(nn.Linear(640, 256))
@@ -530,9 +534,9 @@ NORM_ROWS = [1, 5]
 def test_rmsnorm_prologue_kernel_matches_the_unfused_graph(dtype, split_k, spelling, m, gemv):
     """Rows normalized over all of K (several partial K blocks, split or not), then multiplied (by a dot, or
     as a GEMV)."""
-    from helion_backend.dispatch import reference
-    from helion_backend.norm import rms_norm
-    from helion_backend.passes.trace import trace_sites
+    from helion_backend.compile.trace import trace_sites
+    from helion_backend.runtime.dispatch import reference
+    from helion_backend.semantics.norm import rms_norm
 
     k, n = 300, 40
     norm = _HFRMSNorm(k, dtype) if spelling == "hf" else torch.nn.RMSNorm(k, eps=1e-5, dtype=dtype)
@@ -550,7 +554,7 @@ def test_rmsnorm_prologue_kernel_matches_the_unfused_graph(dtype, split_k, spell
 
 
 def test_rmsnorm_weight_of_the_wrong_length_is_refused():
-    from helion_backend.norm import RmsNormSpec
+    from helion_backend.semantics.norm import RmsNormSpec
 
     with pytest.raises(ValueError, match=r"RMSNorm weight must be a float \[64\] vector"):
         gemm_epilogue_helion(torch.randn(4, 64), torch.randn(64, 32), (), [], [], torch.float32,
@@ -568,7 +572,7 @@ def test_multi_gemm_kernel_runs_each_output_with_its_own_epilogue(dtype, outputs
     """Every output against float64, each with its own width, layout, operands and scalars (read from the
     shared lists at its own offsets); with a norm, the rows normalized in the same pass for all of them."""
     from helion_backend.kernels.multi_gemm import multi_gemm_helion
-    from helion_backend.norm import RmsNormSpec, rms_norm
+    from helion_backend.semantics.norm import RmsNormSpec, rms_norm
 
     torch.manual_seed(outputs)
     k, widths = 300, [72, 40, 24][:outputs]
@@ -602,7 +606,7 @@ def gated_norm_case(m: int, k: int, n: int, dtype: torch.dtype, round_before_wei
     """Fresh inputs of a normalized gated MLP, ``silu(norm(x) @ w_gate) * (norm(x) @ w_up) + residual``
     stored in fp32 (so that the norm's roundings are not hidden by the output's), and its float64 result
     on the activation normalized as the graph does it."""
-    from helion_backend.norm import RmsNormSpec, rms_norm
+    from helion_backend.semantics.norm import RmsNormSpec, rms_norm
 
     x = torch.randn(m, k, dtype=dtype) * 3
     w_gate, w_up = weight(k, n, "nk", dtype), weight(k, n, "nk", dtype)
@@ -645,7 +649,7 @@ def test_float16_rows_are_refused_by_the_norm_kernels():
     """x * weight, which the kernels' norm multiplies before it scales, can overflow float16 where the
     normalized rows do not (x = 3e4, weight = 4): every kernel with the prologue refuses float16."""
     from helion_backend.kernels.multi_gemm import multi_gemm_helion
-    from helion_backend.norm import RmsNormSpec
+    from helion_backend.semantics.norm import RmsNormSpec
 
     x, w = torch.randn(4, 64, dtype=torch.float16), torch.randn(64, 32, dtype=torch.float16)
     norm = (torch.full((64,), 4.0, dtype=torch.float16), RmsNormSpec(1e-6, True))
@@ -886,7 +890,7 @@ def test_the_key_covers_the_sources_versions_device_and_settings(code_cache_dir)
     import triton
 
     from helion_backend import code_cache
-    from helion_backend.passes.manager import package_digest
+    from helion_backend.environment import package_digest
 
     x = torch.randn(2, 8)
     key = code_cache.entry(gemm.gemm_kernel, ("gemm_kernel", "signature"), (x,)).key
@@ -953,8 +957,8 @@ def _int8_weight(k: int, n: int):
 
 @pytest.mark.parametrize("outputs", [2, 3])
 def test_quantized_multi_gemm_kernel_rescales_each_output(outputs):
-    from helion_backend.dispatch import flatten_operands, unfused_multi
     from helion_backend.kernels.multi_gemm import multi_gemm_helion
+    from helion_backend.runtime.dispatch import flatten_operands, unfused_multi
 
     m, k, widths = 5, 300, [72, 40, 24][:outputs]
     xq, scale = _int8_rows(m, k)
@@ -974,8 +978,8 @@ def test_quantized_multi_gemm_kernel_rescales_each_output(outputs):
 
 def test_quantized_gated_kernel_rescales_both_projections():
     """``silu(rescale(xq @ wq_gate)) * rescale_up(xq @ wq_up)``: each accumulator by its own channel scale."""
-    from helion_backend.dispatch import flatten_operands, reference
     from helion_backend.kernels.gemm import glu_gemm_helion
+    from helion_backend.runtime.dispatch import flatten_operands, reference
 
     m, k, n = 5, 300, 72
     xq, scale = _int8_rows(m, k)

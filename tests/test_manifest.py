@@ -6,15 +6,15 @@ import pytest
 import torch
 
 from helion_backend import jsonfile
+from helion_backend.compile import placing
 from helion_backend.manifest import ManifestError, ManifestSite, merge_sites, read_manifest, record_sites
 from helion_backend.options import BackendOptions
-from helion_backend.passes import placement, shared_input
 
 GELU = ("bias", "gelu_tanh")
 
 
 def site(m=None, limit=32, epilogue=GELU, k=4096, n=12288, dtype="bfloat16"):
-    return ManifestSite.declared("gemm", epilogue, dtype, k, n, m=m, helion_limit=limit)
+    return ManifestSite.declared("gemm", epilogue, dtype, k, n, m=m, max_helion_m=limit)
 
 
 def test_manifest_path_is_in_the_cache_dir(tmp_path):
@@ -33,10 +33,10 @@ def test_sites_differing_in_epilogue_or_shape_stay_apart():
 
 
 def test_prologue_and_widths_round_trip_and_keep_sites_apart(tmp_path):
-    normed = ManifestSite.declared("gemm", (), "bfloat16", 4096, 1024, m=1, helion_limit=32, prologue=["rmsnorm"])
-    qkv = ManifestSite.declared("gemm_multi", (), "bfloat16", 4096, 6144, m=1, helion_limit=32,
+    normed = ManifestSite.declared("gemm", (), "bfloat16", 4096, 1024, m=1, max_helion_m=32, prologue=["rmsnorm"])
+    qkv = ManifestSite.declared("gemm_multi", (), "bfloat16", 4096, 6144, m=1, max_helion_m=32,
                                 prologue=["rmsnorm"], widths=[4096, 1024, 1024])
-    other_split = ManifestSite.declared("gemm_multi", (), "bfloat16", 4096, 6144, m=1, helion_limit=32,
+    other_split = ManifestSite.declared("gemm_multi", (), "bfloat16", 4096, 6144, m=1, max_helion_m=32,
                                         prologue=["rmsnorm"], widths=[2048, 2048, 2048])
     sites = [site(m=1, n=1024), normed, qkv, other_split]
     assert len(merge_sites(sites)) == 4
@@ -52,11 +52,22 @@ def test_a_manifest_without_prologue_or_widths_still_reads(tmp_path):
     path = tmp_path / "manifest.json"
     path.write_text(json.dumps({"version": 1, "sites": [
         {"kernel": "gemm", "epilogue": ["bias"], "dtype": "bfloat16", "k": 64, "n": 32, "m": [4],
-         "dynamic_m_limit": None},
-        {"kernel": "gemm_multi", "epilogue": [], "dtype": "bfloat16", "k": 64, "n": 96, "m": [], "dynamic_m_limit": 8},
+         "max_helion_m": None},
+        {"kernel": "gemm_multi", "epilogue": [], "dtype": "bfloat16", "k": 64, "n": 96, "m": [], "max_helion_m": 8},
     ]}))
     assert read_manifest(path) == [ManifestSite("gemm", ("bias",), "bfloat16", 64, 32, frozenset({4})),
-                                   ManifestSite("gemm_multi", (), "bfloat16", 64, 96, dynamic_m_limit=8)]
+                                   ManifestSite("gemm_multi", (), "bfloat16", 64, 96, max_helion_m=8)]
+
+
+def test_the_helion_m_limit_is_written_as_max_helion_m_and_read_under_its_older_name_too(tmp_path):
+    path = tmp_path / "manifest.json"
+    record_sites(path, [site(m=None, limit=16)])
+    (written,) = json.loads(path.read_text())["sites"]
+    assert written["max_helion_m"] == 16 and "dynamic_m_limit" not in written
+    written["dynamic_m_limit"] = written.pop("max_helion_m")  # as an older manifest has it
+    path.write_text(json.dumps({"version": 1, "sites": [written]}))
+    (read,) = read_manifest(path)
+    assert read.max_helion_m == 16 and read == site(m=None, limit=16)
 
 
 def test_record_writes_then_merges_with_the_existing_file(tmp_path):
@@ -67,9 +78,9 @@ def test_record_writes_then_merges_with_the_existing_file(tmp_path):
     assert data["version"] == 1
     assert data["sites"] == [
         {"kernel": "gemm", "prologue": [], "epilogue": ["bias"], "dtype": "bfloat16", "k": 4096, "n": 12288,
-         "m": [1], "dynamic_m_limit": None},
+         "m": [1], "max_helion_m": None},
         {"kernel": "gemm", "prologue": [], "epilogue": ["bias", "gelu_tanh"], "dtype": "bfloat16", "k": 4096,
-         "n": 12288, "m": [1, 8], "dynamic_m_limit": 16},
+         "n": 12288, "m": [1, 8], "max_helion_m": 16},
     ]
     assert read_manifest(path) == merge_sites([site(m=1), site(m=8), site(m=None, limit=16), site(m=1, epilogue=("bias",))])
 
@@ -172,13 +183,12 @@ def test_cpu_compile_records_nothing(tmp_path):
 @pytest.fixture
 def sites_placed_on_helion(monkeypatch):
     """Where a CUDA compile would send a site to Helion (the fused op still runs the reference on the CPU)."""
-    place = placement.place
+    place = placing.place
 
     def on_helion(site, ctx, kernel, n):
-        return placement.Placement("helion", None, place(site, ctx, kernel, n).helion_limit)  # with the site's limit
+        return placing.Placement("helion", None, place(site, ctx, kernel, n).max_helion_m)  # with the site's limit
 
-    monkeypatch.setattr(placement, "place", on_helion)
-    monkeypatch.setattr(shared_input, "place", on_helion)  # a shared launch is placed as one
+    monkeypatch.setattr(placing, "place", on_helion)  # a shared launch too: it is placed as one
 
 
 def test_compile_records_its_helion_sites(tmp_path, sites_placed_on_helion):
@@ -188,7 +198,7 @@ def test_compile_records_its_helion_sites(tmp_path, sites_placed_on_helion):
     torch._dynamo.reset()
     compile_linear_gelu(tmp_path, x, max_helion_size=16)
     assert read_manifest(tmp_path / "manifest.json") == [
-        ManifestSite("gemm", ("bias", "gelu"), "float32", 64, 32, static_m=frozenset({4}), dynamic_m_limit=16)
+        ManifestSite("gemm", ("bias", "gelu"), "float32", 64, 32, static_m=frozenset({4}), max_helion_m=16)
     ]
 
 

@@ -17,7 +17,7 @@ BUILD_INPUTS = ("setup.cfg", "pyproject.toml", "README.md", "helion_inductor.py"
 
 FIND_RULES = """
 import json, helion_backend
-from helion_backend.rules import builtin_rule_files, load_rules
+from helion_backend.compile.rules import builtin_rule_files, load_rules
 files = builtin_rule_files()
 print(json.dumps({"package": helion_backend.__file__, "files": [str(p) for p in files],
                   "rules": sorted(r.name for r in load_rules(files))}))
@@ -49,9 +49,13 @@ def test_the_wheel_holds_the_rules_and_tables_and_an_installed_copy_loads_its_ow
     tables = {f"helion_backend/kernels/tuned/{p.name}": p
               for p in sorted((ROOT / "helion_backend" / "kernels" / "tuned").glob("*.json"))}
     assert shipped and tables
+    sources = {path.relative_to(ROOT).as_posix() for path in (ROOT / "helion_backend").rglob("*.py")}
+    assert {"helion_backend/compile/passes/match.py", "helion_backend/runtime/ops.py"} <= sources
     with zipfile.ZipFile(wheel) as archive:
         for member, original in {**shipped, **tables}.items():
             assert archive.read(member) == original.read_bytes(), member
+        # Every module of every subpackage.
+        assert sources <= set(archive.namelist()), sorted(sources - set(archive.namelist()))
         site = tmp_path / "site"
         archive.extractall(site)  # a pure-Python wheel installed is its files on sys.path
 
@@ -65,6 +69,6 @@ def test_the_wheel_holds_the_rules_and_tables_and_an_installed_copy_loads_its_ow
     assert sorted(Path(f).name for f in found["files"]) == sorted(Path(m).name for m in shipped)
     assert all(Path(f).is_relative_to(site.resolve()) for f in found["files"]), found["files"]
 
-    from helion_backend.rules import load_rules
+    from helion_backend.compile.rules import load_rules
 
     assert found["rules"] == sorted(r.name for r in load_rules(shipped.values()))

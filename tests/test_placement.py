@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helion_backend import dispatch
+from helion_backend import environment, tables
+from helion_backend.compile import placing
 from helion_backend.kernels import configs
 from helion_backend.options import BackendOptions
-from helion_backend.passes import placement
 
 CUDA = torch.device("cuda")  # a device object only: nothing runs on it here
 K, N = 4096, 1024
@@ -31,9 +31,9 @@ def timed(m: int, lead: float, k: int = K, n: int = N) -> dict:
 @pytest.fixture
 def table(tmp_path, monkeypatch):
     """Writes the shipped table of a fake GPU (no user table), with Helion available."""
-    monkeypatch.setattr(configs, "TUNED_DIR", tmp_path)
-    monkeypatch.setattr(configs, "gpu_key", lambda device: "test_gpu")
-    monkeypatch.setattr(dispatch, "helion_unavailable_reason", lambda: None)
+    monkeypatch.setattr(tables, "TUNED_DIR", tmp_path)
+    monkeypatch.setattr(tables, "gpu_key", lambda device: "test_gpu")
+    monkeypatch.setattr(environment, "helion_unavailable_reason", lambda: None)
     configs.forget_tables()
 
     def write(*entries: dict) -> None:
@@ -44,17 +44,17 @@ def table(tmp_path, monkeypatch):
     configs.forget_tables()
 
 
-def place(m: int | None, k: int = K, n: int = N, **options) -> placement.Placement:
+def place(m: int | None, k: int = K, n: int = N, **options) -> placing.Placement:
     site = SimpleNamespace(k=k, dtype=torch.bfloat16, device=CUDA, static_m=m)
     ctx = SimpleNamespace(options=BackendOptions(cache_dir="/nonexistent", **options))
-    return placement.place(site, ctx, "gemm", n)
+    return placing.place(site, ctx, "gemm", n)
 
 
 def test_a_static_m_the_table_measured_helion_winning_runs_helion(table):
     table(timed(1, 1.3), timed(2, 0.9), timed(8, 1.2))
     placed = place(8)
     assert (placed.runs_on, placed.evidence, placed.untuned) == ("helion", {"8": "exact"}, False)
-    assert placed.helion_limit >= 8  # the fused op must not send M = 8 to its fallback
+    assert placed.max_helion_m >= 8  # the fused op must not send M = 8 to its fallback
     assert "Helion measured faster at M=8 (evidence exact, Helion 1.20x" in placed.why
 
 
@@ -102,14 +102,14 @@ def test_untuned_keys_run_helion_where_the_options_say(table):
 def test_a_dynamic_m_runs_helion_up_to_the_first_m_without_a_winning_verdict(table):
     table(timed(1, 1.3), timed(2, 1.2), timed(4, 1.2), timed(8, 1.1), timed(16, 0.95), timed(32, 1.1))
     placed = place(None)
-    assert (placed.runs_on, placed.helion_limit) == ("helion", 8)
+    assert (placed.runs_on, placed.max_helion_m) == ("helion", 8)
     assert placed.why.startswith("M is dynamic: Helion when M <= 8 at run time, cuBLAS above (at M=16: cuBLAS")
     assert placed.evidence == {"1": "exact", "2": "exact", "4": "exact", "8": "exact", "16": "exact"}
     assert not placed.untuned
     # Without the loss, the limit stops where the table stops: 32 is tuned, but not max_helion_size = 64.
     table(timed(1, 1.3), timed(32, 1.2))
     wider = place(None, max_helion_size=64)
-    assert wider.helion_limit == 32 and wider.evidence["64"] == "none" and wider.untuned
+    assert wider.max_helion_m == 32 and wider.evidence["64"] == "none" and wider.untuned
 
 
 def test_a_dynamic_m_without_any_measurement_stays_with_inductor(table):
@@ -133,17 +133,17 @@ def test_the_option_is_checked():
         BackendOptions.from_user({"untuned_sites": "cublas"})
 
 
-def place_site(k: int, dtype: torch.dtype, tf32: bool) -> placement.Placement:
+def place_site(k: int, dtype: torch.dtype, tf32: bool) -> placing.Placement:
     site = SimpleNamespace(k=k, dtype=dtype, device=CUDA, static_m=1)
     ctx = SimpleNamespace(options=BackendOptions(cache_dir="/nonexistent", untuned_sites="helion"), tf32=tf32)
-    return placement.place(site, ctx, "gemm", N)
+    return placing.place(site, ctx, "gemm", N)
 
 
-@pytest.mark.parametrize("k", [1, 7, placement.MIN_KERNEL_K - 1])
+@pytest.mark.parametrize("k", [1, 7, placing.MIN_KERNEL_K - 1])
 def test_a_k_too_short_for_a_dot_stays_with_inductor(table, k):
     placed = place_site(k, torch.bfloat16, tf32=False)
-    assert placed.runs_on == "inductor" and f"K={k} < {placement.MIN_KERNEL_K}" in placed.why
-    assert place_site(placement.MIN_KERNEL_K, torch.bfloat16, tf32=False).runs_on == "helion"
+    assert placed.runs_on == "inductor" and f"K={k} < {placing.MIN_KERNEL_K}" in placed.why
+    assert place_site(placing.MIN_KERNEL_K, torch.bfloat16, tf32=False).runs_on == "helion"
 
 
 def test_float32_follows_pytorchs_tf32_setting(table):

@@ -1,4 +1,4 @@
-"""helion_backend.quantize: accuracy of each format against float64, and quantize()'s contract."""
+"""helion_backend.layers.quantize: accuracy of each format against float64, and quantize()'s contract."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from helpers import sqnr_db
 
-from helion_backend.quantize import (
+from helion_backend.layers.quantize import (
     QUANT_FORMATS,
     BlockFp8Linear,
     Fp8DynamicLinear,

@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from helpers import CPU_REWRITE, WITHOUT_GATED, compile_run, rel_err, sites
 
-from helion_backend.quantize import quantize
+from helion_backend.layers.quantize import quantize
 from helion_backend.vocabulary import GLU_FP8_FAMILY, GLU_INT8_FAMILY, MULTI_GEMM_FAMILIES
 
 D, KV, FF = 64, 32, 128

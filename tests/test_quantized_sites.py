@@ -1,7 +1,7 @@
 """Quantized linears on the CPU: what the matcher recognizes, what the report says, and that the rewritten
 graph (run through the reference path, ``rewrite_on_cpu``) computes what the unfused one does.
 
-The forms are the ones libraries write (see ``helion_backend.quantize``), plus a seeded generator of
+The forms are the ones libraries write (see ``helion_backend.layers.quantize``), plus a seeded generator of
 the variants they differ by: ``amax`` or ``max``, ``div`` or ``mul(reciprocal)``, optional clamps,
 different epsilons, fp32 round trips, rounding for int8, and the epilogues after the GEMM.
 """
@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from helpers import CPU_REWRITE, QUANT_IN_KERNEL, compile_run, sites, sqnr_db
 
 import helion_backend
-from helion_backend.dispatch import dequantize_int4
-from helion_backend.quantize import (
+from helion_backend.compile.rules import RuleError, load_rule_file
+from helion_backend.layers.quantize import (
     FP8_BLOCK,
     BlockFp8Linear,
     Fp8DynamicLinear,
@@ -30,7 +30,7 @@ from helion_backend.quantize import (
     Int8DynamicLinear,
     quantize,
 )
-from helion_backend.rules import RuleError, load_rule_file
+from helion_backend.runtime.dispatch import dequantize_int4
 
 FP8, FP8_MAX = torch.float8_e4m3fn, 448.0
 # Each format's prologue with fuse_activation_quant (the per-token quantizations in the kernel).
@@ -83,7 +83,7 @@ def test_library_forms_fuse_with_their_prologue_and_match_eager(fmt, fused, dtyp
 
 def record_fused_inputs(monkeypatch) -> list[tuple[torch.dtype, bool]]:
     """Per call of the fused op: the dtype of the activation it reads, and whether it quantizes it."""
-    from helion_backend import dispatch
+    from helion_backend.runtime import dispatch
 
     run = dispatch.run_gemm_epilogue
     signature = inspect.signature(run)
@@ -135,7 +135,7 @@ def test_trace_sites_names_each_format_prologue(fmt, fused):
     reports, and by default the note on a quantization left to Inductor. make_fx reads a buffer through a
     node per use, and the int4 layer reads its packed bytes twice (``p & 15``, ``p >> 4``): they are still one
     tensor."""
-    from helion_backend.passes.trace import trace_sites
+    from helion_backend.compile.trace import trace_sites
 
     torch.manual_seed(0)
     layer = quantize(nn.Linear(256, 128).to(torch.bfloat16), fmt)
@@ -163,7 +163,7 @@ def test_rescale_after_form_takes_the_unit_scales_as_steps():
 @pytest.mark.parametrize("fused", [False, True], ids=["default", "kernel_quant"])
 def test_int_mm_on_rows_padded_to_17_is_seen_through(monkeypatch, fused):
     """cuBLAS needs M > 16 for _int_mm, so libraries pad the rows and slice them back: one site, no pad."""
-    from helion_backend import quantize as quantize_module
+    from helion_backend.layers import quantize as quantize_module
 
     torch.manual_seed(2)
     layer = Int8DynamicLinear.from_linear(nn.Linear(256, 64))
@@ -663,8 +663,8 @@ def analyze(fn, *args, options: dict | None = None):
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    from helion_backend.compile.manager import HelionPassManager
     from helion_backend.options import BackendOptions
-    from helion_backend.passes.manager import HelionPassManager
 
     gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
     manager = HelionPassManager(BackendOptions.from_user({**CPU_REWRITE, **(options or {})}))

@@ -9,8 +9,8 @@ import json
 
 import torch
 import torch.nn as nn
-
 from helpers import CPU_REWRITE, compile_run, rel_err, sites
+
 from helion_backend.report import GraphReport
 
 

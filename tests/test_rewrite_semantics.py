@@ -7,8 +7,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from helpers import CPU_REWRITE, WITHOUT_GATED, compile_run, randn, rel_err, sites
 
-from helion_backend.passes import legality
-from helion_backend.passes.context import GemmSite, Step
+from helion_backend.compile.context import GemmSite, Step
+from helion_backend.compile.passes import legality
 
 
 def test_three_d_linear_with_residual(op_calls):
@@ -47,7 +47,7 @@ def test_dynamic_tokens_route_each_call_on_its_m(leading, op_calls):
 def test_token_router_needs_every_site_within_its_own_limit():
     """Two sites with different Helion limits (say a measured crossover of 4 and the default 32): a
     call runs the rewritten variant only if each site's M is within its own limit."""
-    from helion_backend.token_routing import TokenRouter
+    from helion_backend.runtime.token_routing import TokenRouter
 
     router = TokenRouter(small=lambda *a: "small", large=lambda *a: "large",
                          site_ms=lambda args: [args[0], 2 * args[0]], limits=[32, 8])
@@ -166,7 +166,7 @@ def test_operand_computed_from_the_gemm_stops_the_site():
 
 def test_a_failing_rewrite_leaves_the_site_to_inductor(monkeypatch, op_calls, no_compile_caches):
     """A bug in the rewrite costs the site its fusion, not the model: the report says why."""
-    from helion_backend.passes import rewrite
+    from helion_backend.compile.passes import rewrite
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected rewrite failure")

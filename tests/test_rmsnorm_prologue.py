@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from helpers import NORMS_FUSED, compile_run, rel_err, sites
 
 import helion_backend
-from helion_backend.norm import RmsNormSpec, parse_spec, rms_norm
+from helion_backend.compile.trace import trace_sites
 from helion_backend.options import BackendOptions
-from helion_backend.passes.trace import trace_sites
+from helion_backend.semantics.norm import RmsNormSpec, parse_spec, rms_norm
 
 # The norm fuses at every M these tests use (the bound has a test of its own).
 CPU_REWRITE = {**helpers.CPU_REWRITE, **NORMS_FUSED}

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from helpers import compile_run, randn, sites
 
-from helion_backend.rules import RuleError, builtin_rule_files, load_rule_file, load_rules
+from helion_backend.compile.rules import RuleError, builtin_rule_files, load_rule_file, load_rules
 
 GOOD = """\
 # a user's rule

@@ -10,8 +10,8 @@ import torch.nn as nn
 from helpers import NORMS_FUSED, compile_run, rel_err, sites
 from test_rmsnorm_prologue import HFRMSNorm
 
-from helion_backend import dispatch
-from helion_backend.epilogue import format_epilogues
+from helion_backend.runtime import dispatch
+from helion_backend.semantics.epilogue import format_epilogues
 from helion_backend.vocabulary import MULTI_GEMM_FAMILY
 
 # The input norm fuses at every M these tests use.

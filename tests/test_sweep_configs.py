@@ -15,13 +15,15 @@ if str(ROOT) not in sys.path:  # `pytest` (unlike `python -m pytest`) does not p
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import sweep_gemm_configs as sweep  # noqa: E402
-from helion_backend import dispatch, tuning, tuning_problems  # noqa: E402
 from helion_backend.__main__ import main as helion_main  # noqa: E402
 from helion_backend.kernels.gemm import glu_kernel_config  # noqa: E402
 from helion_backend.manifest import read_manifest  # noqa: E402
-from helion_backend.timing import TimingConfig  # noqa: E402
-from helion_backend.tuning import DEFAULT_NUM_TOKENS, TuneKey, expand_keys  # noqa: E402
-from helion_backend.tuning_candidates import candidates_for, glu_candidates  # noqa: E402
+from helion_backend.runtime import dispatch  # noqa: E402
+from helion_backend.tuning import loop as tuning  # noqa: E402
+from helion_backend.tuning import problems as tuning_problems  # noqa: E402
+from helion_backend.tuning.candidates import candidates_for, glu_candidates  # noqa: E402
+from helion_backend.tuning.loop import DEFAULT_NUM_TOKENS, TuneKey, expand_keys  # noqa: E402
+from helion_backend.tuning.timing import TimingConfig  # noqa: E402
 
 SUITES = sweep.parse_args([]).suites  # the script's default: every model's suite
 
@@ -190,7 +192,7 @@ def test_the_suites_manifest_expands_in_the_tune_command_to_the_keys_the_script_
         swept = [key for kernel in sweep.KERNELS for key in sweep.sweep_keys(kernel, SUITES, ms)]
         assert expand_keys(sites, ms) == sorted(swept, key=lambda key: key.table_key)
     # The shared launch takes its RMSNorm at one row only (fused_norm), the gated and quantized families their steps.
-    multi = {(site.prologue, site.dynamic_m_limit) for site in sites if site.kernel == "gemm_multi"}
+    multi = {(site.prologue, site.max_helion_m) for site in sites if site.kernel == "gemm_multi"}
     assert multi == {(("rmsnorm",), 1), ((), 32)}
     assert {site.kernel for site in sites} == set(sweep.KERNELS)
 

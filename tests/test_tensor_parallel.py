@@ -18,15 +18,15 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import tensor_parallel as tp
 import torch
 import torch.nn.functional as F
+from helpers import TOLERANCE, randn
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import tensor_parallel as tp
+from helion_backend.compile.manager import HelionPassManager
 from helion_backend.options import BackendOptions
-from helion_backend.passes.manager import HelionPassManager
-from helpers import TOLERANCE, randn
 
 WORLD = 2
 TESTS_DIR = Path(__file__).resolve().parent
@@ -150,7 +150,7 @@ def test_the_manifest_of_each_rank_holds_its_local_shapes(ranks):
         sites = result["manifest"]["sites"]
         assert {(s["kernel"], s["k"], s["n"], tuple(s.get("widths", ()))) for s in sites} == expected, result["rank"]
         assert {m for s in sites for m in s["m"]} == {1, tp.PREFILL_TOKENS}, sites
-        assert any(s["dynamic_m_limit"] is not None for s in sites), sites
+        assert any(s["max_helion_m"] is not None for s in sites), sites
 
 
 @pytest.mark.slow

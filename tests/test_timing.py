@@ -1,11 +1,11 @@
-"""helion_backend.timing: the replay timing that compares variants in turns (fakes stand in for the GPU)."""
+"""helion_backend.tuning.timing: the replay timing that compares variants in turns (fakes stand in for the GPU)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from helion_backend import timing
+from helion_backend.tuning import timing
 
 
 class FakeGraph:

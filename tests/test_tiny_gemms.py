@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import torch
-
-from helion_backend.passes import placement
-from helion_backend.passes.manager import HelionPassManager
-from helion_backend.options import BackendOptions
-
 from helpers import compile_run, rel_err, sites
+
+from helion_backend.compile import placing
+from helion_backend.compile.manager import HelionPassManager
+from helion_backend.options import BackendOptions
 
 
 def rotary_angles(inv_freq: torch.Tensor, position_ids: torch.Tensor, x: torch.Tensor, w: torch.Tensor):
@@ -31,7 +30,7 @@ def test_the_rotary_product_stays_with_inductor_and_matches_eager():
         assert rel_err(got, want) < 1e-6
     by_k = {s.k: s for s in sites(reports)}
     assert set(by_k) == {1, 64}, [r.summary() for r in reports]
-    assert by_k[1].runs_on == "inductor" and f"K=1 < {placement.MIN_KERNEL_K}" in by_k[1].why
+    assert by_k[1].runs_on == "inductor" and f"K=1 < {placing.MIN_KERNEL_K}" in by_k[1].why
     assert by_k[64].runs_on == "reference"
 
 

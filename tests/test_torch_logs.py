@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import compile_run
 
 import helion_inductor
-from helpers import compile_run
 
 REPO = Path(__file__).resolve().parents[1]
 

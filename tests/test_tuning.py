@@ -13,14 +13,18 @@ import pytest
 import torch
 
 import benchmarks.common
-from helion_backend import dispatch, timing, tuning, tuning_problems
+from helion_backend import tables
 from helion_backend.__main__ import main
 from helion_backend.kernels import configs
 from helion_backend.kernels.gemm import Layout, Signature, check_operands, norm_kernel_config
 from helion_backend.manifest import ManifestSite
-from helion_backend.tuning import ConfigTable, TuneError, TuneKey
-from helion_backend.tuning_candidates import candidates_for
-from helion_backend.tuning_problems import QUANT_FORMAT_OF, build_problem, quantized_site
+from helion_backend.runtime import dispatch
+from helion_backend.tuning import loop as tuning
+from helion_backend.tuning import problems as tuning_problems
+from helion_backend.tuning import timing
+from helion_backend.tuning.candidates import candidates_for
+from helion_backend.tuning.loop import ConfigTable, TuneError, TuneKey
+from helion_backend.tuning.problems import QUANT_FORMAT_OF, build_problem, quantized_site
 
 CUDA = torch.device("cuda")  # a device object only, except in the GPU test
 
@@ -48,7 +52,7 @@ def fake_entry(key: TuneKey, us: float = 5.0) -> dict:
 
 @pytest.fixture
 def manifest(tmp_path):
-    site = ManifestSite.declared("gemm", ("bias",), "bfloat16", 1024, 256, m=4, helion_limit=32)
+    site = ManifestSite.declared("gemm", ("bias",), "bfloat16", 1024, 256, m=4, max_helion_m=32)
     return write_manifest(tmp_path / "manifest.json", [site])
 
 
@@ -105,7 +109,7 @@ def test_no_cuda_device_exits_2(manifest, capsys, monkeypatch):
 
 
 def test_manifest_without_a_key_to_tune_is_no_error(tmp_path, capsys):
-    site = ManifestSite.declared("gemm", ("bias",), "bfloat16", 1024, 256, m=None, helion_limit=0)
+    site = ManifestSite.declared("gemm", ("bias",), "bfloat16", 1024, 256, m=None, max_helion_m=0)
     assert main(["tune", str(write_manifest(tmp_path / "manifest.json", [site]))]) == 0
     assert "nothing to tune" in capsys.readouterr().err
 
@@ -115,7 +119,7 @@ def test_manifest_without_a_key_to_tune_is_no_error(tmp_path, capsys):
 
 def test_keys_are_static_m_and_num_tokens_up_to_the_dynamic_limit():
     sites = [
-        ManifestSite("gemm", ("bias",), "bfloat16", 4096, 1024, frozenset({3, 64}), dynamic_m_limit=8),
+        ManifestSite("gemm", ("bias",), "bfloat16", 4096, 1024, frozenset({3, 64}), max_helion_m=8),
         ManifestSite("gemm", ("bias", "gelu_tanh"), "bfloat16", 4096, 12288, frozenset({1})),
     ]
     keys = tuning.expand_keys(sites, num_tokens=(1, 2, 4, 8, 16))
@@ -283,8 +287,8 @@ def test_fastest_valid_drops_wrong_and_failing_configs():
 @pytest.fixture
 def cpu_table_dir(tmp_path, monkeypatch):
     """Config tables read as if this CPU were a GPU called test_gpu, with no shipped table."""
-    monkeypatch.setattr(configs, "TUNED_DIR", tmp_path / "shipped")
-    monkeypatch.setattr(configs, "gpu_key", lambda device: "test_gpu")
+    monkeypatch.setattr(tables, "TUNED_DIR", tmp_path / "shipped")
+    monkeypatch.setattr(tables, "gpu_key", lambda device: "test_gpu")
     configs.forget_tables()
     yield tmp_path / "configs"
     configs.forget_tables()
@@ -351,7 +355,7 @@ def test_tune_key_validates_every_split_and_writes_an_entry_the_backend_loads(cp
     ConfigTable.load(cpu_table_dir / "test_gpu.json", "cmd").put(entry, tuning.table_metadata(torch.device("cpu")))
     user_dir = str(cpu_table_dir)
     assert configs.config_for(4, 2048, 64, torch.bfloat16, CUDA, user_dir) == tuned[1]
-    decided = configs.decision(4, 2048, 64, torch.bfloat16, CUDA, user_dir)
+    decided = tables.decision(4, 2048, 64, torch.bfloat16, CUDA, user_dir)
     assert (decided.evidence, decided.helion, decided.lead) == ("exact", True, 1.5)  # 4.5 us against 3.0
 
 
@@ -617,7 +621,7 @@ def fake_gpu(monkeypatch):
     """A CUDA device as far as the command's checks go, whose keys tune to a fixed entry."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(configs, "gpu_key", lambda device: "test_gpu")
+    monkeypatch.setattr(tables, "gpu_key", lambda device: "test_gpu")
     monkeypatch.setattr(tuning, "table_metadata", lambda device: {"device": "test"})
     monkeypatch.setattr(tuning, "tune_key", lambda key, **kwargs: fake_entry(key))
     monkeypatch.setattr(tuning, "default_tune_jobs", lambda: 1)  # --jobs: tests/test_tuning_warmup.py
@@ -671,11 +675,11 @@ def test_table_and_cache_dir_exclude_each_other(manifest, tmp_path, capsys):
 
 @pytest.mark.gpu
 def test_tune_one_small_key_end_to_end(tmp_path, capsys):
-    site = ManifestSite.declared("gemm", ("bias", "gelu_tanh"), "bfloat16", 1024, 256, m=4, helion_limit=32)
+    site = ManifestSite.declared("gemm", ("bias", "gelu_tanh"), "bfloat16", 1024, 256, m=4, max_helion_m=32)
     manifest = write_manifest(tmp_path / "manifest.json", [site])
     assert main(["tune", str(manifest), "--effort", "quick", "--budget-per-key", "20"]) == 0
     user_dir = tmp_path / "configs"
-    table = json.loads((user_dir / f"{configs.gpu_key(CUDA)}.json").read_text())
+    table = json.loads((user_dir / f"{tables.gpu_key(CUDA)}.json").read_text())
     (entry,) = table["entries"]
     assert (entry["dtype"], entry["k"], entry["n"], entry["m"]) == ("bfloat16", 1024, 256, 4)
     assert entry["us"] > 0 and entry["fallback_us"] > 0 and entry["error"] <= tuning.TOLERANCE
@@ -692,7 +696,7 @@ def gpu_family_site(kernel: str, fused: bool = False) -> ManifestSite:
     k = family_key(kernel, fused)
     n = 1536 if kernel == "gemm_multi" else 1024
     widths = (1024, 256, 256) if kernel == "gemm_multi" else ()
-    return ManifestSite.declared(kernel, k.epilogue, k.dtype, 1024, n, m=4, helion_limit=32, prologue=k.prologue,
+    return ManifestSite.declared(kernel, k.epilogue, k.dtype, 1024, n, m=4, max_helion_m=32, prologue=k.prologue,
                                  widths=widths)
 
 
@@ -723,8 +727,8 @@ def test_quantized_sibling_families_have_tuning_problems(family):
     int8's kernel runs here on the interpreter and matches the problem's reference (fp8's loads are wrong there)."""
     import helion
 
-    from helion_backend.timing import relative_error
-    from helion_backend.tuning_problems import TuneKey, quantized_sibling_epilogue
+    from helion_backend.tuning.problems import TuneKey, quantized_sibling_epilogue
+    from helion_backend.tuning.timing import relative_error
 
     glu = "glu" in family
     widths = () if glu else (64, 32, 32)
@@ -746,7 +750,7 @@ def test_fallback_compiles_afresh_without_dropping_other_compiled_functions(monk
     from torch._dynamo.testing import CompileCounter
     from torch._dynamo.utils import counters
 
-    from helion_backend.tuning_problems import compiled
+    from helion_backend.tuning.problems import compiled
 
     counter = CompileCounter()
     user = torch.compile(lambda x: x * 2, backend=counter)

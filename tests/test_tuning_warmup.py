@@ -18,14 +18,15 @@ import warmup_fakes
 from test_tuning import FakeClock, fake_entry, key, run_loop, write_manifest
 from warmup_fakes import HANG_M
 
-from helion_backend import options, tuning, tuning_warmup
+from helion_backend import options, tables
 from helion_backend.__main__ import main
-from helion_backend.kernels import configs
 from helion_backend.manifest import ManifestSite
-from helion_backend.tuning import ConfigTable, TuneError
-from helion_backend.tuning_candidates import candidates_for
-from helion_backend.tuning_problems import Problem
-from helion_backend.tuning_warmup import WarmPool, warm_key
+from helion_backend.tuning import loop as tuning
+from helion_backend.tuning import warmup as tuning_warmup
+from helion_backend.tuning.candidates import candidates_for
+from helion_backend.tuning.loop import ConfigTable, TuneError
+from helion_backend.tuning.problems import Problem
+from helion_backend.tuning.warmup import WarmPool, warm_key
 
 # --- the key loop ----------------------------------------------------------------------------------
 
@@ -172,7 +173,7 @@ def test_pool_for_pins_the_triton_cache_folder_and_starts_no_worker(monkeypatch)
 
 @pytest.fixture
 def manifest(tmp_path):
-    site = ManifestSite.declared("gemm", ("bias",), "bfloat16", 1024, 256, m=None, helion_limit=32)
+    site = ManifestSite.declared("gemm", ("bias",), "bfloat16", 1024, 256, m=None, max_helion_m=32)
     return write_manifest(tmp_path / "manifest.json", [site])
 
 
@@ -182,7 +183,7 @@ def fake_gpu(monkeypatch):
     timing of each key recorded in ``timed``."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(configs, "gpu_key", lambda device: "test_gpu")
+    monkeypatch.setattr(tables, "gpu_key", lambda device: "test_gpu")
     monkeypatch.setattr(tuning, "table_metadata", lambda device: {"device": "test"})
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     timed = []

@@ -24,9 +24,10 @@ import torch.nn.functional as F
 from helpers import CPU_REWRITE, TOLERANCE, rel_err
 
 import helion_backend
-from helion_backend import bisect_sites, dispatch, verify
 from helion_backend.options import VERIFY_ENV, BackendOptions
 from helion_backend.report import site_id
+from helion_backend.runtime import dispatch, verify
+from helion_backend.tools import bisect_sites
 
 ROOT = Path(__file__).resolve().parents[1]
 WRONG_BY = 1.01  # a wrong kernel: 1% off everywhere (the reference's rel. error would be 1e-2)
@@ -249,7 +250,7 @@ def test_relative_error_counts_mismatched_non_finite_values_as_divergence():
 # PYTHONPATH (a test hook outside the package) makes Helion "available" on the CPU and the N=32 site's
 # kernel wrong, as FakeKernels does here.
 WRONG_KERNEL_SITECUSTOMIZE = '''
-from helion_backend import dispatch
+from helion_backend.runtime import dispatch
 
 def wrong_kernel(kernel, x, w_kn, steps, operands, scalars, out_dtype, config_dir=None, program=None,
                  up_kn=None, *, weight_scale=None, norm=None, up_steps=()):

@@ -5,17 +5,19 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 
-from .helion_import import helion  # Helion's first import here: it defers scikit-learn (see .helion_import)
+from helion_backend.kernels.helion_import import (
+    helion,  # Helion's first import here: it defers scikit-learn (see .helion_import)
+)
 
 # isort: split
 import torch
 
-from ..norm import RmsNormSpec
-from ..quant_program import QuantProgram
-from ..vocabulary import FP8_BLOCK_FAMILY, GLU_FAMILIES, INT4_FAMILY, KERNEL_FAMILIES
-from .gemm import gemm_epilogue_helion, glu_gemm_helion
-from .multi_gemm import multi_gemm_helion
-from .quant_gemm import block_fp8_gemm_helion, int4_gemm_helion, quant_gemm_helion
+from helion_backend.kernels.gemm import gemm_epilogue_helion, glu_gemm_helion
+from helion_backend.kernels.multi_gemm import multi_gemm_helion
+from helion_backend.kernels.quant_gemm import block_fp8_gemm_helion, int4_gemm_helion, quant_gemm_helion
+from helion_backend.semantics.norm import RmsNormSpec
+from helion_backend.semantics.quant_program import QuantProgram
+from helion_backend.vocabulary import FP8_BLOCK_FAMILY, GLU_FAMILIES, INT4_FAMILY, KERNEL_FAMILIES
 
 KERNELS: dict[str, Callable[..., torch.Tensor]] = {
     "gemm": gemm_epilogue_helion,

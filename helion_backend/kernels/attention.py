@@ -2,8 +2,7 @@
 
 At decode, each (batch, head) has one or a few query rows and reads its whole cache: a memory-bound
 reduction over the cache length L, where a prefill kernel (cuDNN's or the memory-efficient one, tiled for
-long queries) leaves most of the GPU idle (H200, batch 1, 8 heads, 4 rows, L = 1024: cuDNN 31.5 us,
-this kernel 12.5 us). The cache is split into ``split_kv`` chunks so that a small batch still fills the
+long queries) leaves most of the GPU idle. The cache is split into ``split_kv`` chunks so that a small batch still fills the
 GPU; each chunk leaves its rows' normalized output and log-sum-exp, and :func:`combine_kernel` merges
 the chunks (flash-decoding). With one chunk the kernel writes the output directly.
 
@@ -31,8 +30,8 @@ import helion.language as hl
 import torch
 from helion.autotuner import PowerOfTwoFragment
 
-from ..vocabulary import ATTENTION_DTYPES, ATTENTION_MAX_HEAD_DIM
-from .gemm import Layout, compiled_kernel
+from helion_backend.kernels.gemm import Layout, compiled_kernel
+from helion_backend.vocabulary import ATTENTION_DTYPES, ATTENTION_MAX_HEAD_DIM
 
 LOG2E = 1.4426950408889634
 # Cache positions per chunk come in whole runs of this many (so that full K/V blocks stay unmasked).
@@ -85,7 +84,7 @@ def decode_attention_kernel(
         end = hl.full([], 0, dtype=torch.int32) + tile_s.end  # on the device: a mask may move it
         if keep is not None and skip_reads:
             # Stop after the chunk's last position some row keeps: past it, every row adds the fill. The mask
-            # is read in large steps (one a memory latency: 16 steps of 64 cost 10 us at batch 32); a chunk
+            # is read in large steps (each step costs a memory latency); a chunk
             # no row keeps any of gets end 0, and no step of the loop below runs.
             end = hl.zeros([], dtype=torch.int32)
             row_keeps = hl.zeros([tile_r], dtype=torch.int32)
@@ -142,8 +141,8 @@ COMBINE_TILE_ELEMENTS = 4096
 @functools.cache  # on every launch
 def combine_config(splits: int, rows: int, head_dim: int) -> helion.Config:
     """Rows of one (batch, head) per program (not more: the tile is [S, rows, D]), and D split until the
-    tile fits :data:`COMBINE_TILE_ELEMENTS`. A fixed 16-row tile held 16 x 16 x 128 fp32 values at batch 1
-    (16 chunks) and spilled: 7.8 us a launch on the H200, 3.1 us at batch 8 (2 chunks)."""
+    tile fits :data:`COMBINE_TILE_ELEMENTS` (a fixed 16-row tile spills registers when there are many
+    chunks)."""
     block_r = min(16, 1 << (rows - 1).bit_length())
     block_d = 1 << (head_dim - 1).bit_length()
     while block_d > 16 and splits * block_r * block_d > COMBINE_TILE_ELEMENTS:
@@ -159,10 +158,8 @@ def chunk_size(kv_len: int, split_kv: int) -> int:
 @functools.cache  # on every launch
 def default_config(batch_heads: int, rows: int, kv_len: int) -> helion.Config:
     """Enough cache chunks for about :data:`TARGET_PROGRAMS` programs, 64-position blocks, a chunk's mask read
-    in steps of up to :data:`MAX_SCAN_BLOCK`. Measured on the H200 (Qwen3-8B's GQA heads: 4 rows, L 1024,
-    D 128, every position kept; us by splits 1 / 2 / 4 / 8 / 16): batch 1 27.9 / 18.2 / 12.0 / 9.3 / 7.8,
-    batch 8 30.1 / 20.7 / 17.3 / 16.4 / 16.6, batch 32 40.4 / 39.2 / 42.1 / 43.5 / 44.6. This picks 16, 8
-    and 2 (the earlier target of 128 programs picked 2 at batch 8)."""
+    in steps of up to :data:`MAX_SCAN_BLOCK`. More splits pay while the batch leaves SMs idle, and cost once
+    it fills them (benchmarks/NOTES.md has the measurements)."""
     split = 1
     while batch_heads * split * 2 <= TARGET_PROGRAMS and chunk_size(kv_len, split * 2) < chunk_size(kv_len, split):
         split *= 2

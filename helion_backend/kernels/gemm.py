@@ -30,17 +30,18 @@ import helion.language as hl
 import torch
 from helion.autotuner import PowerOfTwoFragment
 
-from .. import code_cache
+from helion_backend import code_cache
+from helion_backend.kernels.configs import EPILOGUE_CONFIG, GEMV, PREQUANTIZE, config_for, split_key
 
 # Device code reaches ``apply_epilogue`` as an attribute of this module object, never as a bare name:
 # Helion replaces the globals of any function it traces by name with fakes, and the step table that
 # ``apply_epilogue`` reads holds Enum members it cannot fake. A module attribute is taken as is, so the
 # epilogue runs with its real globals (and its float constants become literals in the kernel).
-from .. import epilogue as epilogue_module
-from .. import norm as norm_module
-from ..epilogue import num_scalars, operand_kinds, split_per_output
-from ..norm import RmsNormSpec
-from ..vocabulary import (
+from helion_backend.semantics import epilogue as epilogue_module
+from helion_backend.semantics import norm as norm_module
+from helion_backend.semantics.epilogue import num_scalars, operand_kinds, split_per_output
+from helion_backend.semantics.norm import RmsNormSpec
+from helion_backend.vocabulary import (
     DEFAULT_KERNEL_FAMILY,
     EPILOGUE_STEPS,
     GLU_FAMILY,
@@ -49,7 +50,6 @@ from ..vocabulary import (
     RULE_DTYPES,
     Operand,
 )
-from .configs import EPILOGUE_CONFIG, GEMV, PREQUANTIZE, config_for, split_key
 
 SUPPORTED_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -96,7 +96,7 @@ def rmsnorm_gemm_kernel(
     scalars: list[float],
     epilogue: TileEpilogue,
 ) -> None:
-    """:func:`gemm_kernel` on RMS-normalized rows of x (see :mod:`helion_backend.norm`): the dot reads x
+    """:func:`gemm_kernel` on RMS-normalized rows of x (see :mod:`helion_backend.semantics.norm`): the dot reads x
     times the norm's weight and the accumulator is scaled by each row's rstd at the end. The rows' sums
     of squares come from a first pass over x, or, for a few rows, from the K loop; then a K split adds
     the squares of the rest of K in two more loops (empty without split-K). One K block size serves every
@@ -499,7 +499,7 @@ def gemm_epilogue_helion(
     ``w_kn`` may be any strided [K, N] view (e.g. ``weight.t()`` of an nn.Linear weight); it is read in
     place. ``config`` defaults to :func:`.configs.config_for` (user tables in ``config_dir`` first); its
     ``split_k`` picks one or two passes. With ``norm`` (an RMSNorm's weight and spec) the rows of x are
-    RMS-normalized as :mod:`helion_backend.norm` says before the multiply.
+    RMS-normalized as :mod:`helion_backend.semantics.norm` says before the multiply.
     """
     steps = tuple(steps)
     operands = list(operands)
@@ -575,7 +575,7 @@ def gemm_kernel_args(
 def norm_kernel_args(norm: tuple[torch.Tensor, RmsNormSpec] | None) -> tuple[torch.Tensor | None, float]:
     """``(norm_weight, eps)`` as the kernels with an RMSNorm prologue take them; without a norm, a None
     weight (which Helion specializes away) and an unused eps. The spec's rounding is the unfused graph's:
-    the kernels' norm rounds x * weight instead (:mod:`helion_backend.norm`)."""
+    the kernels' norm rounds x * weight instead (:mod:`helion_backend.semantics.norm`)."""
     if norm is None:
         return None, 0.0
     weight, spec = norm
@@ -602,7 +602,7 @@ def glu_gemm_helion(
     ``token_scale``, ``channel_scale``; float ones have none). ``config`` is in ``gemm_kernel``'s layout
     (:func:`glu_kernel_config` adapts it; a quantized family without a table entry takes its member
     family's). With ``norm`` (an RMSNorm's weight and spec) both projections multiply the rows of x
-    RMS-normalized as :mod:`helion_backend.norm` says. ``kernel_family`` ``gemm_glu_fp8`` or
+    RMS-normalized as :mod:`helion_backend.semantics.norm` says. ``kernel_family`` ``gemm_glu_fp8`` or
     ``gemm_glu_int8`` multiplies quantized rows by quantized weights."""
     steps, up_steps = tuple(steps), tuple(up_steps)
     operands, scalars = list(operands), [float(s) for s in scalars]

@@ -29,13 +29,8 @@ import helion
 import helion.language as hl
 import torch
 
-# Module attributes, not bare names, for the reason given in kernels/gemm.py.
-from .. import norm as norm_module
-from ..epilogue import split_per_output
-from ..norm import RmsNormSpec
-from ..vocabulary import MEMBER_FAMILY, MULTI_GEMM_FAMILIES, MULTI_GEMM_FAMILY, MULTI_GEMM_SLOTS
-from .configs import config_for
-from .gemm import (
+from helion_backend.kernels.configs import config_for
+from helion_backend.kernels.gemm import (
     Signature,
     TileEpilogue,
     check_family_steps,
@@ -45,6 +40,12 @@ from .gemm import (
     norm_kernel_args,
     tile_epilogue,
 )
+
+# Module attributes, not bare names, for the reason given in kernels/gemm.py.
+from helion_backend.semantics import norm as norm_module
+from helion_backend.semantics.epilogue import split_per_output
+from helion_backend.semantics.norm import RmsNormSpec
+from helion_backend.vocabulary import MEMBER_FAMILY, MULTI_GEMM_FAMILIES, MULTI_GEMM_FAMILY, MULTI_GEMM_SLOTS
 
 
 # Each loop is written out, with its own variable names: Helion's loop-dependency check goes by name.
@@ -63,7 +64,7 @@ def multi_gemm_kernel(
     epilogue2: TileEpilogue,
 ) -> None:
     """``outs[i] = epilogue_i(x' @ weights[i])`` for every slot i in one launch, where x' is x, or with
-    ``norm_weight`` its RMS-normalized rows (``eps``; computed as :mod:`helion_backend.norm` says).
+    ``norm_weight`` its RMS-normalized rows (``eps``; computed as :mod:`helion_backend.semantics.norm` says).
     The epilogues read ``operands`` and ``scalars`` from their own offsets (:func:`.gemm.tile_epilogue`).
     Quantized x and weights (fp8, int8: rows quantized before the launch) accumulate in fp32 or int32; each
     epilogue gets the fp32 value (its token and channel scales are steps of its own)."""
@@ -154,7 +155,7 @@ def multi_gemm_helion(
     """``[epilogue_i(x @ w_kns[i])]`` as contiguous [M, N_i] ``out_dtype`` tensors, from one launch.
 
     ``steps[i]`` is output i's epilogue; ``operands`` and ``scalars`` hold every output's in turn
-    (each flattened as :func:`helion_backend.dispatch.flatten_operands` does). ``config`` defaults to
+    (each flattened as :func:`helion_backend.runtime.dispatch.flatten_operands` does). ``config`` defaults to
     the tables' entry for ``kernel_family`` at N = sum of the N_i (a quantized family without one: the
     member family's there, see :mod:`.configs`). With ``norm`` (an RMSNorm's weight and spec) x's rows are
     normalized first, as in ``gemm_epilogue_helion``. ``kernel_family`` ``gemm_multi_fp8`` or

@@ -6,7 +6,7 @@ K (the activation is a few hundred KB at decode sizes and stays in L2), turns it
 scale, then quantizes each K block on its way into the tensor cores, multiplies in fp8 (fp32
 accumulator) or int8 (int32 accumulator), rescales the rows, and runs the shared epilogue on the fp32
 result before the one store. The quantization is the graph's own ops, replayed
-(:mod:`helion_backend.quant_program`), so the kernel computes what the model wrote.
+(:mod:`helion_backend.semantics.quant_program`), so the kernel computes what the model wrote.
 
 Every output tile quantizes its rows again (an amax pass and a division per element), which costs
 little at M = 1 and dominates at M = 8-32. The config key ``prequantize`` (ours, not Helion's) runs the
@@ -52,20 +52,8 @@ import helion.language as hl
 import torch
 from helion.autotuner import PowerOfTwoFragment
 
-from .. import quant_program as program_module
-from ..quant_program import QuantProgram
-from ..vocabulary import (
-    FP8_BLOCK,
-    FP8_BLOCK_FAMILY,
-    INT4_FAMILY,
-    INT4_HIGH_SHIFT,
-    INT4_LOW_MASK,
-    INT4_ZERO_POINT,
-    QUANT_DTYPES,
-    SUPPORTED_DTYPES,
-)
-from .configs import GEMV, PAIRED_LOADS, PREQUANTIZE, SWAP_AB, config_for, split_key
-from .gemm import (
+from helion_backend.kernels.configs import GEMV, PAIRED_LOADS, PREQUANTIZE, SWAP_AB, config_for, split_key
+from helion_backend.kernels.gemm import (
     Layout,
     Signature,
     check_family_steps,
@@ -76,6 +64,21 @@ from .gemm import (
     gemv_helion,
     split_k_target,
     tile_epilogue,
+)
+from helion_backend.semantics import quant_program as program_module
+from helion_backend.semantics.quant_program import QuantProgram
+from helion_backend.vocabulary import (
+    ACT_SCALE,
+    FP8_BLOCK,
+    FP8_BLOCK_FAMILY,
+    FP8_FAMILY,
+    INT4_FAMILY,
+    INT4_HIGH_SHIFT,
+    INT4_LOW_MASK,
+    INT4_ZERO_POINT,
+    QUANT_DTYPES,
+    SUPPORTED_DTYPES,
+    TOKEN_SCALE,
 )
 
 # One program per row: a row is at most ~50 KB of activation, read twice (amax, then quantize).
@@ -344,7 +347,7 @@ def quant_gemm_helion(
     program: QuantProgram | None = None,
     config: helion.Config | None = None,
     config_dir: str | None = None,
-    kernel_family: str = "gemm_fp8",
+    kernel_family: str = FP8_FAMILY,
 ) -> torch.Tensor:
     """The quantized GEMM + epilogue as a contiguous [M, N] ``out_dtype`` tensor.
 
@@ -371,7 +374,7 @@ def quant_gemm_helion(
     if prequantize:
         quantized, scale = quantize_rows(x, program)
         # The rows' scale becomes an epilogue operand; it commutes with the scaling steps before act_scale.
-        steps = ("token_scale", *(s for s in steps if s != "act_scale"))
+        steps = (TOKEN_SCALE, *(s for s in steps if s != ACT_SCALE))
         operands = [scale.view(m, 1).expand(m, n), *operands]
         return quant_gemm_helion(quantized, w_kn, steps, operands, scalars, out_dtype, None, config=config,
                                  kernel_family=kernel_family)

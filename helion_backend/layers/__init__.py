@@ -1,0 +1,1 @@
+"""User-facing quantized layers (plain PyTorch; importing them needs neither Helion nor the backend)."""

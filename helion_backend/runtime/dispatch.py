@@ -1,0 +1,432 @@
+"""Run-time choice of the implementation behind the fused op, by device and num_tokens (M)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import traceback
+from typing import Callable, Sequence, TypeVar
+
+import torch
+
+from helion_backend import report
+from helion_backend.environment import helion_unavailable_reason
+from helion_backend.runtime import verify
+from helion_backend.semantics.epilogue import (
+    apply_epilogue,
+    operand_kinds,
+    parse_epilogue,
+    parse_epilogues,
+    parse_prologue,
+    split_per_output,
+)
+from helion_backend.semantics.norm import RmsNormSpec, parse_spec, rms_norm
+from helion_backend.semantics.quant_program import QuantProgram, parse_program, quantize_rows
+from helion_backend.vocabulary import (
+    DEQUANT_FP8_BLOCK,
+    DEQUANT_INT4,
+    FP8_BLOCK,
+    INT4_HIGH_SHIFT,
+    INT4_LOW_MASK,
+    INT4_ZERO_POINT,
+    MULTI_GEMM_FAMILY,
+    QUANT_DTYPES,
+    RMSNORM,
+    Operand,
+    dtype_name,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# (site, M) -> why its Helion kernel failed, or why its output is not trusted (option verify); those calls
+# run the reference from then on.
+_FAILED: dict[tuple[str, int], str] = {}
+
+
+def run_gemm_epilogue(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_layout: str,
+    weight_scale: torch.Tensor | None,
+    up_weight: torch.Tensor | None,
+    up_layout: str,
+    prologue: str,
+    quant_program: str,
+    operands: Sequence[torch.Tensor],
+    scalars: Sequence[float],
+    epilogue: str,
+    out_dtype: torch.dtype,
+    kernel: str,
+    max_helion_m: int,
+    config_dir: str = "",
+    site: str = "",
+    norm_weight: torch.Tensor | None = None,
+    norm_spec: str = "",
+    up_epilogue: str = "",
+) -> torch.Tensor:
+    # The step names are validated here; what they do is in the program, the dtypes and ``weight_scale``.
+    prologue_steps = parse_prologue(prologue)
+    program = parse_program(quant_program) if quant_program else None
+    norm = _norm(prologue_steps, norm_weight, norm_spec)
+    steps, up_steps = parse_epilogue(epilogue), parse_epilogue(up_epilogue)
+    if up_steps and up_weight is None:
+        raise ValueError(f"up_epilogue {up_epilogue!r} without an up_weight")
+    _check_weight_dequant(prologue_steps, weight_layout, weight_scale, program)
+    w_kn = weight_kn(weight, weight_layout)
+    up_kn = weight_kn(up_weight, up_layout) if up_weight is not None else None
+    n = w_kn.shape[1]
+    # The epilogue's operands, then the up projection's own (its scales on quantized rows).
+    (ops, scs), (up_ops, up_scs) = split_per_output((steps, up_steps), operands, scalars)
+    flat = [*flatten_operands(ops, steps, n), *flatten_operands(up_ops, up_steps, n)]
+
+    def reference() -> torch.Tensor:
+        return unfused(x, w_kn, steps, flat, scalars, out_dtype, program, up_kn, weight_scale, norm, up_steps)
+
+    if _runs_helion(x, max_helion_m, site):
+        fused = _try_helion(site, x.shape[0], lambda: _helion_gemm(
+            kernel, x, w_kn, steps, flat, scalars, out_dtype, config_dir or None, program, up_kn,
+            weight_scale=weight_scale, norm=norm, up_steps=up_steps))
+        if fused is not None:
+            if verify.watching():
+                dtypes = [x.dtype, w_kn.dtype, out_dtype, *([up_kn.dtype] if up_kn is not None else [])]
+                fused = _verified(site, x.shape[0], fused, reference, dtypes, _launch_text(kernel, x, [n]),
+                                  max_helion_m)
+            return fused
+    return reference()
+
+
+def run_multi_gemm_epilogue(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    weight_layouts: str,
+    operands: Sequence[torch.Tensor],
+    scalars: Sequence[float],
+    epilogues: str,
+    out_dtype: torch.dtype,
+    max_helion_m: int,
+    config_dir: str = "",
+    site: str = "",
+    norm_weight: torch.Tensor | None = None,
+    norm_spec: str = "",
+    kernel: str = MULTI_GEMM_FAMILY,
+) -> list[torch.Tensor]:
+    """The ``multi_gemm_epilogue`` op: one Helion launch for every output, or the reference of each."""
+    steps = parse_epilogues(epilogues)
+    layouts = weight_layouts.split(",")
+    if not len(weights) == len(layouts) == len(steps):
+        raise ValueError(f"{len(weights)} weights need as many layouts and epilogues, got {weight_layouts!r} "
+                         f"and {epilogues!r}")
+    norm = _norm((RMSNORM,) if norm_weight is not None or norm_spec else (), norm_weight, norm_spec)
+    w_kns = [weight_kn(w, layout) for w, layout in zip(weights, layouts)]
+    per_output = [(flatten_operands(ops, s, w.shape[1]), scs)
+                  for w, s, (ops, scs) in zip(w_kns, steps, split_per_output(steps, operands, scalars))]
+    flat = [op for ops, _ in per_output for op in ops]
+
+    def reference() -> list[torch.Tensor]:
+        return unfused_multi(x, w_kns, steps, flat, scalars, out_dtype, norm)
+
+    if _runs_helion(x, max_helion_m, site):
+        fused = _try_helion(site, x.shape[0], lambda: _helion_multi_gemm(
+            x, w_kns, steps, flat, scalars, out_dtype, config_dir=config_dir or None, norm=norm,
+            kernel_family=kernel))
+        if fused is not None:
+            if verify.watching():
+                dtypes = [x.dtype, *(w.dtype for w in w_kns), out_dtype]
+                launch = _launch_text(kernel, x, [w.shape[1] for w in w_kns])
+                fused = _verified(site, x.shape[0], fused, reference, dtypes, launch, max_helion_m)
+            return fused
+    return reference()
+
+
+def run_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                         masked_bias: float, out_stride: Sequence[int], site: str = "") -> torch.Tensor:
+    """The ``decode_attention`` op: the Helion decode kernel on CUDA, else (and after it failed here)
+    PyTorch's ``scaled_dot_product_attention``; into a fresh tensor of strides ``out_stride``."""
+    out = q.new_empty_strided(q.shape, out_stride)
+    rows = q.shape[2]
+
+    def reference() -> torch.Tensor:
+        return _attention_reference(q, k, v, mask, scale, masked_bias)
+
+    if _helion_runs_on(q) and (site, rows) not in _FAILED:
+        def launch() -> torch.Tensor:
+            return _helion_decode_attention(q, k, v, mask, scale, out=out, masked_bias=masked_bias)
+
+        fused = _try_helion(site, rows, launch)
+        if fused is not None:
+            if verify.watching():
+                shape = f"rows={rows} L={k.shape[2]} D={q.shape[3]} {dtype_name(q.dtype)}"
+                trusted = _verified(site, rows, out, reference, [q.dtype], f"decode attention kernel ({shape})")
+                if trusted is not out:
+                    out.copy_(trusted)
+            return out
+    return out.copy_(reference())
+
+
+def _attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                         scale: float, masked_bias: float) -> torch.Tensor:
+    """What the ``decode_attention`` op computes without Helion: PyTorch's attention, the graph's mask."""
+    if mask is not None and mask.dtype == torch.bool and masked_bias != -math.inf:
+        mask = torch.where(mask, 0.0, masked_bias).to(q.dtype)  # the bias the graph had made of it
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _runs_helion(x: torch.Tensor, max_helion_m: int, site: str) -> bool:
+    """Whether this call's rows go to the Helion kernel (else to the reference)."""
+    m = x.shape[0]
+    return m <= max_helion_m and _helion_runs_on(x) and (site, m) not in _FAILED
+
+
+def _helion_runs_on(x: torch.Tensor) -> bool:
+    """Whether Helion kernels run on ``x``'s device: CUDA, with Helion installed."""
+    return x.is_cuda and helion_unavailable_reason() is None
+
+
+# The Helion kernels the fused ops launch, imported at their first call (Helion's import takes seconds); the
+# CPU tests of the option verify replace them to make a site's fast path wrong.
+
+def _helion_gemm(*args, **kwargs) -> torch.Tensor:
+    from helion_backend.kernels import run_kernel
+
+    return run_kernel(*args, **kwargs)
+
+
+def _helion_multi_gemm(*args, **kwargs) -> list[torch.Tensor]:
+    from helion_backend.kernels import multi_gemm_helion
+
+    return multi_gemm_helion(*args, **kwargs)
+
+
+def _helion_decode_attention(*args, **kwargs) -> torch.Tensor:
+    from helion_backend.kernels.attention import decode_attention_helion
+
+    return decode_attention_helion(*args, **kwargs)
+
+
+def _verified(site: str, m: int, fused: T, reference: Callable[[], T], dtypes: Sequence[torch.dtype], launch: str,
+              up_to_m: int | None = None) -> T:
+    """``fused``, or ``reference()``'s result where the option ``verify`` checks this first Helion run of the
+    site at ``m`` rows and finds it diverging; the site then runs its reference from now on, at every M up to
+    ``up_to_m`` (None: at this M alone). Not checked: a (site, M) checked before, and a run being captured
+    into a CUDA graph (its replays run no Python: the next uncaptured run checks). ``launch`` names the
+    kernel and shape."""
+    if not verify.pending(site, m) or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return fused
+    expected = reference()
+    check = verify.compare(site, m, _outputs(fused), _outputs(expected), dtypes)
+    report.record_verified(site, check.describe())
+    if check.ok:
+        return fused
+    _fall_back(site, m, f"output of the {launch} diverged from the reference: rel. error {check.error:.2e} > "
+                        f"tolerance {check.tolerance:.1e} (option verify)", up_to_m)
+    return expected
+
+
+def _outputs(value: torch.Tensor | Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    return [value] if isinstance(value, torch.Tensor) else value
+
+
+def _launch_text(kernel: str, x: torch.Tensor, widths: Sequence[int]) -> str:
+    """The kernel family and shape of a GEMM launch, for the self-check's warning."""
+    n = "+".join(map(str, widths))
+    return f"{kernel} kernel (M={x.shape[0]} K={x.shape[1]} N={n} {dtype_name(x.dtype)})"
+
+
+def _try_helion(site: str, m: int, launch: Callable[[], T]) -> T | None:
+    """``launch()``; None when the kernel cannot compile or launch (the model must not fail: the caller runs
+    the reference, and this site does at this M from now on)."""
+    try:
+        return launch()
+    except Exception as e:
+        failure = _describe_failure(e)
+        # The failed call's frames hold the output it had allocated, and a log record that keeps the
+        # traceback (Helion's, or a test's log capture) would keep them alive: under CUDA graph trees
+        # that output sits in the graph's memory pool, untracked. Drop their locals.
+        _clear_frames(e)
+    _fall_back(site, m, f"Helion kernel failed ({failure})")
+    return None
+
+
+def _check_weight_dequant(prologue: tuple[str, ...], weight_layout: str, weight_scale: torch.Tensor | None,
+                          program: QuantProgram | None) -> None:
+    """``dequant_int4`` and ``dequant_fp8_block`` read their [N, ..] weight's scales (``weight_scale``), block
+    fp8 also its activation's quantization program; no other prologue has a ``weight_scale``."""
+    scaled = DEQUANT_INT4 in prologue or DEQUANT_FP8_BLOCK in prologue
+    if scaled != (weight_scale is not None):
+        problem = f"{'no' if scaled else 'a'} weight_scale"
+    elif scaled and weight_layout != "nk":
+        problem = f"weight_layout {weight_layout!r} (the scaled weights are [N, ..])"
+    elif DEQUANT_FP8_BLOCK in prologue and program is None:
+        problem = "no quant_program for the activation's groups"
+    else:
+        return
+    raise ValueError(f"prologue {list(prologue)} with {problem}")
+
+
+def _norm(prologue: tuple[str, ...], weight: torch.Tensor | None, spec: str) -> tuple[torch.Tensor, RmsNormSpec] | None:
+    """The fused RMSNorm's weight and spec; refuses a norm weight without the ``rmsnorm`` step and the
+    other way round, since either would silently skip or misapply the normalization."""
+    has_step = RMSNORM in prologue
+    if has_step != (weight is not None) or has_step != bool(spec):
+        raise ValueError(f"the {RMSNORM} prologue step needs norm_weight and norm_spec, and they need it "
+                         f"(prologue {list(prologue)}, norm_weight {'given' if weight is not None else 'None'}, "
+                         f"norm_spec {spec!r})")
+    return (weight, parse_spec(spec)) if has_step else None
+
+
+def _clear_frames(error: BaseException | None) -> None:
+    """Clear the locals of every finished frame in ``error``'s traceback and in those it chains to."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+
+
+def _describe_failure(error: Exception) -> str:
+    message = str(error).strip()
+    return f"{type(error).__name__}: {message.splitlines()[0] if message else 'no message'}"[:300]
+
+
+def _fall_back(site: str, m: int, reason: str, up_to_m: int | None = None) -> None:
+    """Remember that ``site`` runs its reference at this M (at every M up to ``up_to_m`` if given), warn once,
+    and note it in the site's report."""
+    for rows in range(up_to_m + 1) if up_to_m is not None else (m,):
+        _FAILED[(site, rows)] = reason
+    scope = f"M={m}" if up_to_m is None else f"M={m}, and every M"
+    log.warning("helion_inductor: site %s (%s) runs its reference (cuBLAS + an unfused epilogue, or PyTorch's "
+                "attention) from now on: %s", site or "<unnamed>", scope, reason)
+    report.record_fallback(site, f"{scope}: {reason}; ran the reference instead")
+    gc.collect()  # whatever the failure left in reference cycles goes now, not at some later collection
+
+
+def unfused(
+    x: torch.Tensor,
+    w_kn: torch.Tensor,
+    steps: Sequence[str],
+    operands: Sequence[torch.Tensor],
+    scalars: Sequence[float],
+    out_dtype: torch.dtype,
+    program: QuantProgram | None = None,
+    up_kn: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
+    norm: tuple[torch.Tensor, RmsNormSpec] | None = None,
+    up_steps: Sequence[str] = (),
+) -> torch.Tensor:
+    """What the fused op computes without Helion, from the arguments :func:`~.kernels.run_kernel` takes: a
+    scaled weight dequantized as the graph does (packed uint8 int4 with group scales, or block fp8 with its
+    activation's program), the RMSNorm applied, then :func:`reference`."""
+    if weight_scale is not None and w_kn.dtype == torch.uint8:
+        w_kn = dequantize_int4(w_kn.t(), weight_scale, x.dtype).t()
+    elif weight_scale is not None:
+        x, w_kn = dequantize_block_fp8(x, program, w_kn.t(), weight_scale)
+        program = None
+    if norm is not None:
+        x = rms_norm(x, *norm)
+    return reference(x, w_kn, steps, operands, scalars, out_dtype, program, up_kn, up_steps)
+
+
+def unfused_multi(
+    x: torch.Tensor,
+    w_kns: Sequence[torch.Tensor],
+    steps: Sequence[Sequence[str]],
+    operands: Sequence[torch.Tensor],
+    scalars: Sequence[float],
+    out_dtype: torch.dtype,
+    norm: tuple[torch.Tensor, RmsNormSpec] | None = None,
+) -> list[torch.Tensor]:
+    """What the shared launch computes without Helion, from ``multi_gemm_helion``'s arguments: the norm once,
+    then each output's :func:`reference`."""
+    if norm is not None:
+        x = rms_norm(x, *norm)
+    per_output = split_per_output(steps, operands, scalars)
+    return [reference(x, w, s, ops, scs, out_dtype) for w, s, (ops, scs) in zip(w_kns, steps, per_output)]
+
+
+def reference(
+    x: torch.Tensor,
+    w_kn: torch.Tensor,
+    steps: Sequence[str],
+    operands: Sequence[torch.Tensor],
+    scalars: Sequence[float],
+    out_dtype: torch.dtype,
+    program: QuantProgram | None = None,
+    up_kn: torch.Tensor | None = None,
+    up_steps: Sequence[str] = (),
+) -> torch.Tensor:
+    """The unfused computation: the activation quantized as ``program`` says (if given), the GEMM (and a
+    gated MLP's up projection ``up_kn``, rescaled by its own ``up_steps``, which read the operands and
+    scalars after the epilogue's) as the graph ran it, the epilogue in fp32."""
+    if program is None:
+        (ops, scs), (up_ops, up_scs) = split_per_output((steps, up_steps), operands, scalars)
+        up = None if up_kn is None else apply_epilogue(gemm_product(x, up_kn), up_steps, up_ops.__getitem__, up_scs)
+        return apply_epilogue(gemm_product(x, w_kn), steps, ops.__getitem__, scs, up).to(out_dtype)
+    quantized, scale = quantize_rows(program, x)
+    acc = gemm_product(quantized, w_kn) * scale.to(torch.float32)
+    return apply_epilogue(acc, steps, operands.__getitem__, scalars).to(out_dtype)
+
+
+def gemm_product(x: torch.Tensor, w_kn: torch.Tensor) -> torch.Tensor:
+    """``x @ w_kn`` in fp32 as the unfused graph computes it: float GEMMs in their dtype (as eager runs
+    them), an int8 weight converted to the activation's dtype first, int8 x int8 exactly (as
+    ``_int_mm``'s int32 result), fp8 x fp8 with fp32 accumulation (as ``_scaled_mm``)."""
+    if x.dtype == torch.int8:
+        return torch.mm(x.to(torch.float64), w_kn.to(torch.float64)).to(torch.float32)
+    if x.dtype in QUANT_DTYPES.values():
+        return torch.mm(x.to(torch.float32), w_kn.to(torch.float32))
+    return torch.mm(x, w_kn.to(x.dtype)).to(torch.float32)
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The [N, K] ``dtype`` weight that ``dequant_int4`` stands for, computed by the graph's own ops in its
+    order (so rounding matches): nibbles low first, converted, minus the zero point, times the scale of
+    each group of K / ``scales.shape[1]`` columns."""
+    n, k = packed.shape[0], 2 * packed.shape[1]
+    groups = scales.shape[1]
+    q = torch.stack([packed & INT4_LOW_MASK, packed >> INT4_HIGH_SHIFT], dim=-1).reshape(n, k)
+    centered = (q.to(dtype) - INT4_ZERO_POINT).reshape(n, groups, k // groups)
+    return (centered * scales.reshape(n, groups, 1)).reshape(n, k)
+
+
+def dequantize_block_fp8(
+    x: torch.Tensor, program: QuantProgram, weight: torch.Tensor, scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_dq [M, K], w_kn [K, N])`` in x's dtype, as the hand-written block fp8 graph computes them: x
+    quantized per 1 x FP8_BLOCK group by ``program`` and dequantized, the fp8 [N, K] ``weight`` scaled per
+    FP8_BLOCK x FP8_BLOCK block by ``scales`` [N/B, K/B], both in fp32 and then rounded to x's dtype."""
+    (m, k), n, b = x.shape, weight.shape[0], FP8_BLOCK
+    quantized, scale = quantize_rows(program, x.reshape(m, k // b, b))
+    x_dq = (quantized.to(torch.float32) * scale).reshape(m, k).to(x.dtype)
+    blocks = weight.to(torch.float32).reshape(n // b, b, k // b, b) * scales.reshape(n // b, 1, k // b, 1)
+    return x_dq, blocks.reshape(n, k).to(x.dtype).t()
+
+
+def weight_kn(weight: torch.Tensor, weight_layout: str) -> torch.Tensor:
+    """The weight as a logical [K, N] view; an [N, K] (nn.Linear) weight is transposed without a copy."""
+    if weight_layout == "nk":
+        return weight.t()
+    if weight_layout == "kn":
+        return weight
+    raise ValueError(f"weight_layout must be 'kn' or 'nk', got {weight_layout!r}")
+
+
+def flatten_operands(operands: Sequence[torch.Tensor], steps: Sequence[str], n: int) -> list[torch.Tensor]:
+    """Each operand as an [N] vector or an [M, N] tensor, the two shapes kernels index (3-D linears
+    arrive as [B, S, N]). Per-token columns and one-element tensors are broadcast as views, no copy."""
+    kinds = operand_kinds(steps)
+    if len(kinds) != len(operands):
+        raise ValueError(f"epilogue {list(steps)} reads {len(kinds)} tensor operands, got {len(operands)}")
+    return [_flatten(op, kind, n) for op, kind in zip(operands, kinds)]
+
+
+def _flatten(operand: torch.Tensor, kind: Operand, n: int) -> torch.Tensor:
+    if kind is Operand.ROW:
+        return operand.reshape(n)
+    if kind is Operand.ELEMENT:
+        return operand.reshape(1).expand(n)
+    if kind is Operand.COL:
+        return operand.reshape(-1, 1).expand(-1, n)
+    return operand.reshape(-1, n)

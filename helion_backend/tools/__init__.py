@@ -1,0 +1,1 @@
+"""User commands on top of everything: ``python -m helion_backend explain`` and ``bisect``."""

@@ -1,0 +1,269 @@
+"""The candidate configs of each kernel family that the tune command's ``sweep`` effort times at a key.
+
+A short fixed list per family, timed at the key through the family's wrapper (:func:`candidates_for`), costs
+about 5-10 s a key on the GPU against 30-300 s for Helion's search, so it can cover every (shape, M) key
+of the shipped table. The lists are what the sweeps of the shipped table ran
+(``benchmarks/sweep_gemm_configs.py``, now through ``python -m helion_backend tune --effort sweep``);
+editing a tuple changes what later sweeps can find, so results stay comparable only while they stay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import helion
+import torch
+
+from helion_backend.kernels.configs import GEMV, NUM_SMS, PAIRED_LOADS, PREQUANTIZE, SWAP_AB
+from helion_backend.kernels.gemm import glu_kernel_config
+from helion_backend.tuning.problems import QUANT_FORMAT_OF, TuneKey, quantizes_its_rows, wrapper_keys
+from helion_backend.vocabulary import (
+    FP8_BLOCK,
+    FP8_BLOCK_FAMILY,
+    GLU_FAMILIES,
+    GLU_FAMILY,
+    INT4_FAMILY,
+    MULTI_GEMM_FAMILIES,
+    MULTI_GEMM_FAMILY,
+    WEIGHT_ONLY_FAMILY,
+)
+
+Candidate = tuple[int, int, int, int, int, int, str]
+# (block_m, block_n, block_k, num_warps, num_stages, split_k, indexing). Helion shrinks block_m to M
+# when M is smaller; "tensor_descriptor" loads through TMA where the tensor allows it (Helion falls
+# back to pointers where it does not).
+CANDIDATES: tuple[Candidate, ...] = (
+    (16, 32, 256, 4, 3, 1, "pointer"),
+    (16, 64, 128, 4, 4, 1, "pointer"),
+    (16, 32, 512, 4, 3, 1, "pointer"),
+    (16, 32, 256, 4, 3, 1, "tensor_descriptor"),
+    # Deeper pipelines: they beat the shallower ones on the o and down projections at M = 1 and 8.
+    (16, 32, 256, 4, 5, 1, "pointer"),
+    (16, 32, 512, 4, 4, 1, "pointer"),
+    (16, 64, 256, 4, 3, 1, "tensor_descriptor"),
+    (16, 64, 128, 4, 5, 1, "tensor_descriptor"),
+    (16, 128, 128, 8, 4, 1, "tensor_descriptor"),
+    (16, 32, 256, 4, 3, 2, "pointer"),
+    (16, 64, 256, 4, 3, 2, "tensor_descriptor"),
+    (16, 32, 128, 4, 4, 4, "pointer"),
+    (16, 32, 256, 4, 3, 4, "tensor_descriptor"),
+    # Wide N tiles: fewer programs re-read the activation (which the quantized kernels also quantize).
+    (16, 128, 256, 4, 3, 1, "pointer"),
+    (16, 128, 256, 8, 3, 2, "pointer"),
+    (16, 256, 128, 8, 3, 1, "pointer"),
+    # M > 16: one M tile instead of two, so the weight is streamed once.
+    (32, 32, 256, 4, 3, 1, "pointer"),
+    (32, 32, 512, 4, 3, 1, "pointer"),
+    (32, 64, 256, 4, 3, 1, "tensor_descriptor"),
+    (32, 64, 128, 8, 4, 1, "tensor_descriptor"),
+    (32, 32, 256, 4, 4, 2, "pointer"),
+    (32, 64, 128, 4, 4, 2, "tensor_descriptor"),
+    # The same with N tiles of 16: twice the programs of 32-wide tiles, the weight still streamed once. The
+    # shared q/k/v launch has no split-K, so at M = 32 the tiles above leave too few programs to fill the GPU.
+    (32, 16, 512, 4, 3, 1, "pointer"),
+    (32, 16, 256, 4, 4, 1, "pointer"),
+)
+# One row as a GEMV (``gemv``: kernels/gemm.py's ``gemv_kernel``, no dot, no split-K): 16-bit inputs, and
+# fp8/int8 rows and weights or a float row and an int8 weight (their wrapper's GEMV; see gemv_candidates).
+# With ``mode="max-autotune"`` Inductor rewrites a one-row ``mm`` as a multiply and a sum, and its reduction
+# kernel beats a one-row dot on every Qwen3 shape without a bias.
+# As in that reduction, each K step only multiplies and adds into a [N block, K block] accumulator, K
+# summed once after the loop; narrow N tiles (down to one column) give hundreds of programs, and 16-byte
+# loads run along K (the weight's contiguous dimension). The accumulator takes N block x K block / (32 x
+# warps) registers a thread: 16 to 64 here. Mostly one stage (Triton pipelines the loads that feed a dot);
+# two with three, in case the loads of this loop are pipelined too.
+GEMV_CANDIDATES = (
+    (16, 1, 2048, 4, 1, 1, "pointer"),
+    (16, 2, 1024, 4, 1, 1, "pointer"),
+    (16, 2, 2048, 8, 1, 1, "pointer"),
+    (16, 4, 512, 4, 1, 1, "pointer"),
+    (16, 4, 1024, 4, 1, 1, "pointer"),
+    (16, 4, 1024, 8, 1, 1, "pointer"),
+    (16, 8, 256, 4, 1, 1, "pointer"),
+    (16, 8, 512, 4, 1, 1, "pointer"),
+    (16, 16, 256, 8, 1, 1, "pointer"),
+    (16, 4, 512, 4, 3, 1, "pointer"),
+    (16, 8, 512, 8, 3, 1, "pointer"),
+)
+# The quantized families: the candidates that did best in the first fp8/int8 sweep, each with the
+# activation quantized inside the GEMM kernel and, once, by a kernel of its own (``prequantize``).
+QUANT_CANDIDATES = (
+    (16, 32, 512, 4, 3, 1, "pointer"),
+    (16, 32, 256, 4, 3, 2, "pointer"),
+    (16, 64, 256, 4, 3, 2, "pointer"),
+    (16, 32, 256, 4, 3, 4, "tensor_descriptor"),
+    (16, 128, 256, 8, 3, 2, "pointer"),
+    (16, 64, 128, 4, 4, 1, "pointer"),
+    (32, 32, 256, 4, 3, 1, "pointer"),
+)
+# One-byte weights (fp8, int8) move half the bytes of a 16-bit tile per pipeline stage, and the small-M
+# kernels stream at the rate of the bytes they keep in flight: with the 16-bit candidates, the sweeps picked
+# the deepest tile on offer at nearly every key and fp8 GEMMs streamed at half the 16-bit rate. So the K
+# blocks go to 1024 and the pipelines deeper.
+ONE_BYTE_CANDIDATES = (
+    (16, 32, 1024, 4, 3, 1, "pointer"),
+    (16, 64, 512, 4, 3, 1, "pointer"),
+    (16, 32, 512, 4, 5, 1, "pointer"),
+    (16, 32, 1024, 4, 3, 2, "pointer"),
+    (16, 64, 512, 4, 4, 2, "pointer"),
+    (32, 32, 512, 4, 3, 1, "pointer"),
+    (32, 64, 512, 8, 3, 1, "pointer"),
+    # More warps on an SM for the fp8 dot's 16-row tiles, which convert both operands to f16 in registers
+    # before mma.sync (96 conversions a thread a 16 x 32 x 512 step, in their PTX): N tiles of 16 give 256
+    # programs at N = 4096 where 32 give one per SM, or 8 warps one program (the M = 32 k and v keys pick
+    # the second).
+    (16, 16, 512, 4, 3, 1, "pointer"),
+    (16, 16, 1024, 4, 3, 1, "pointer"),
+    (16, 32, 512, 8, 3, 1, "pointer"),
+)
+# The int4 kernel: K blocks in bytes (128 bytes = 256 columns of K), and each step holds the bytes, their
+# scales and both dequantized nibbles in registers, so shallower blocks than the 16-bit ones.
+INT4_CANDIDATES = (
+    (16, 32, 128, 4, 3, 1, "pointer"),
+    (16, 64, 64, 4, 4, 1, "pointer"),
+    (16, 32, 256, 4, 3, 1, "pointer"),
+    (16, 64, 128, 4, 3, 2, "pointer"),
+    (16, 32, 128, 4, 3, 4, "pointer"),
+    (16, 128, 64, 8, 3, 1, "pointer"),
+    (32, 32, 128, 4, 3, 1, "pointer"),
+    (32, 64, 64, 4, 4, 2, "pointer"),
+)
+# Block fp8: the K block is always one group (FP8_BLOCK), so only the M and N tiles, warps, stages and
+# splits vary.
+BLOCK_FP8_CANDIDATES = tuple(
+    (bm, bn, FP8_BLOCK, w, s, sk, "pointer")
+    for bm, bn, w, s, sk in ((16, 32, 4, 3, 1), (16, 64, 4, 3, 1), (16, 128, 4, 3, 1), (16, 64, 4, 4, 2),
+                             (16, 32, 4, 3, 4), (16, 128, 8, 3, 2), (32, 64, 4, 3, 1), (32, 128, 8, 3, 1))
+)
+# Block fp8 with ``prequantize``: the groups dequantized up front, the weight scaled in the K loop, so the K
+# block is free; the weight-only int8 kernel's winners (a one-byte weight converted in the loop), with N
+# blocks of at most one weight block.
+BLOCK_FP8_PREQUANTIZED_CANDIDATES = (
+    (16, 32, 512, 4, 3, 1, "pointer"),
+    (16, 64, 512, 4, 3, 1, "pointer"),
+    (16, 64, 128, 4, 4, 1, "pointer"),
+    (16, 32, 1024, 4, 3, 1, "pointer"),
+    (16, 32, 256, 4, 3, 2, "pointer"),
+    (16, 64, 256, 4, 3, 2, "pointer"),
+    (32, 32, 256, 4, 3, 1, "pointer"),
+    (32, 32, 512, 4, 3, 1, "pointer"),
+)
+# fp8 x fp8 and int8 x int8 in 64-row tiles from M = 2 on: Triton then multiplies with Hopper's wgmma, which
+# reads both operands from shared memory as loaded (fp8 natively), where the 16-row tiles run mma.sync and
+# convert every fp8 weight to f16 in registers first (their PTX, compiled for sm_90 on the CPU). The rows past
+# M are masked, so they cost shared memory and tensor-core time, not HBM traffic. At M = 1 Helion gives the
+# rows a block of 1 whatever the config says: the single GEMM's wrapper then runs the row as two (the shared
+# launch's and the gated kernel's do not, so there these would only repeat the 16-row candidates).
+WGMMA_CANDIDATES = (
+    (64, 32, 512, 4, 3, 1, "pointer"),
+    (64, 64, 256, 4, 3, 1, "pointer"),
+    (64, 64, 256, 4, 3, 1, "tensor_descriptor"),
+    (64, 32, 256, 4, 4, 2, "pointer"),
+    (64, 32, 512, 4, 3, 2, "pointer"),
+    (64, 64, 256, 4, 3, 2, "pointer"),
+)
+# The one-byte GEMMs with the operands swapped (``swap_ab``: ``swapped_lowp_gemm_kernel``, ``w @ x.T``): the
+# weight fills the dot's 64-row side, so N blocks of 64 or 128 (and with them fewer programs: split-K makes up
+# the count), and the row block needs only cover M. A 64-row x tile of the plain dot took 32 KB of shared
+# memory a stage at 512-deep K blocks for 8 real rows, twice the weight's 16 KB; here the rows take 8 KB.
+SWAPPED_CANDIDATES = (
+    (16, 64, 256, 4, 4, 1, "pointer"),
+    (16, 64, 512, 4, 3, 1, "pointer"),
+    (16, 64, 256, 4, 4, 2, "pointer"),
+    (16, 64, 512, 4, 3, 2, "pointer"),
+    (16, 128, 256, 4, 3, 1, "pointer"),
+    (16, 128, 256, 8, 3, 2, "pointer"),
+    (32, 64, 256, 4, 4, 1, "pointer"),
+    (32, 64, 512, 4, 3, 2, "pointer"),
+)
+# Splits beyond this many CTAs only add partial sums to write and read back.
+MAX_SPLIT_CTAS = 4 * NUM_SMS
+
+
+def candidate_configs(m: int, n: int, candidates: Sequence[Candidate] = CANDIDATES, pad_rows: bool = False,
+                      **extra: object) -> list[helion.Config]:
+    """The candidates that make sense at this M and N: block_m above M is skipped unless ``pad_rows`` (a
+    16-row block always fits), and so are oversplit grids."""
+    return [
+        helion.Config(block_sizes=[bm, bn, bk], num_warps=w, num_stages=s, split_k=sk, indexing=ix, **extra)
+        for bm, bn, bk, w, s, sk, ix in candidates
+        if (bm <= 16 or m > 16 or pad_rows) and (sk == 1 or -(-n // bn) * -(-m // bm) * sk <= MAX_SPLIT_CTAS)
+    ]
+
+
+def one_byte_candidates(m: int, n: int, one_row: bool = False, **extra: object) -> list[helion.Config]:
+    """The candidates of a GEMM of one-byte inputs (fp8 or int8 rows and weights): the quantized families'
+    tiles, the deep one-byte ones, and the 64-row wgmma ones (:func:`wgmma_candidates`)."""
+    tiles = candidate_configs(m, n, QUANT_CANDIDATES + ONE_BYTE_CANDIDATES, **extra)
+    return tiles + wgmma_candidates(m, n, one_row, **extra)
+
+
+def wgmma_candidates(m: int, n: int, one_row: bool = False, **extra: object) -> list[helion.Config]:
+    """:data:`WGMMA_CANDIDATES` at this M and N; at one row only for a kernel that runs the row as two
+    (``one_row``)."""
+    return candidate_configs(m, n, WGMMA_CANDIDATES, pad_rows=True, **extra) if m > 1 or one_row else []
+
+
+def quant_candidates(key: TuneKey) -> list[helion.Config]:
+    """A quantized family's candidates: int4's own K blocks, each also with ``paired_loads``; block fp8's
+    one-group K blocks, and with ``prequantize`` deeper ones; the one-byte deep tiles for the rest, and for
+    fp8 and int8 rows the 64-row ones. A site that quantizes its own rows also tries each with ``prequantize``
+    (the rows quantized once, by a kernel of their own), and the deep and 64-row tiles only so, as that won
+    every such fp8 and int8 key; for any other site the key would change nothing, and each config is timed
+    once."""
+    m, n = key.m, key.n
+    if key.kernel == INT4_FAMILY:
+        return candidate_configs(m, n, INT4_CANDIDATES) + candidate_configs(
+            m, n, INT4_CANDIDATES, **{PAIRED_LOADS: True})
+    if key.kernel == FP8_BLOCK_FAMILY:
+        return candidate_configs(m, n, BLOCK_FP8_CANDIDATES) + candidate_configs(
+            m, n, BLOCK_FP8_PREQUANTIZED_CANDIDATES, **{PREQUANTIZE: True})
+    if key.kernel == WEIGHT_ONLY_FAMILY:  # a float activation: the weight is converted in registers anyway
+        return candidate_configs(m, n, QUANT_CANDIDATES + ONE_BYTE_CANDIDATES)
+    if not quantizes_its_rows(key):
+        return one_byte_candidates(m, n, one_row=True)
+    return candidate_configs(m, n, QUANT_CANDIDATES) + one_byte_candidates(m, n, one_row=True,
+                                                                           **{PREQUANTIZE: True})
+
+
+def glu_candidates(m: int, n: int) -> list[helion.Config]:
+    """The 16-bit candidates as the gated kernel runs them (so that the table records what runs), each once."""
+    return list(dict.fromkeys(glu_kernel_config(c, torch.bfloat16.itemsize, False) for c in candidate_configs(m, n)))
+
+
+def sweep_configs(key: TuneKey, current: helion.Config) -> list[helion.Config]:
+    """What the ``sweep`` effort times at ``key``, in order: the family's candidates, then today's config
+    (``current``), each once. The tune command's compile workers run the same list ahead of the timing."""
+    return list(dict.fromkeys([*candidates_for(key), current]))
+
+
+def candidates_for(key: TuneKey) -> list[helion.Config]:
+    """The family's candidates at this key's M and N."""
+    if key.kernel == GLU_FAMILY:
+        return glu_candidates(key.m, key.n)
+    if key.kernel in GLU_FAMILIES:  # on quantized rows: the quantized candidates as the gated kernel runs them
+        return list(dict.fromkeys(glu_kernel_config(c, 1, False) for c in one_byte_candidates(key.m, key.n)))
+    if key.kernel in MULTI_GEMM_FAMILIES.values():  # no split-K: the outputs' tiles supply the parallelism
+        candidates = candidate_configs(key.m, key.n, CANDIDATES)
+        if key.kernel != MULTI_GEMM_FAMILY:
+            candidates += candidate_configs(key.m, key.n, ONE_BYTE_CANDIDATES)
+            candidates += wgmma_candidates(key.m, key.n)
+        return [c for c in candidates if c["split_k"] == 1]
+    if key.kernel in QUANT_FORMAT_OF:
+        return quant_candidates(key) + gemv_candidates(key) + swapped_candidates(key)
+    return candidate_configs(key.m, key.n) + gemv_candidates(key)
+
+
+def swapped_candidates(key: TuneKey) -> list[helion.Config]:
+    """:data:`SWAPPED_CANDIDATES` (``swap_ab``) where the key's wrapper runs the swapped kernel, with
+    ``prequantize`` on a site that quantizes its own rows (the wrapper quantizes them first anyway)."""
+    if SWAP_AB not in wrapper_keys(key):
+        return []
+    rows = {PREQUANTIZE: True} if quantizes_its_rows(key) else {}
+    return candidate_configs(key.m, key.n, SWAPPED_CANDIDATES, **{SWAP_AB: True}, **rows)
+
+
+def gemv_candidates(key: TuneKey) -> list[helion.Config]:
+    """:data:`GEMV_CANDIDATES` (``gemv``) where the key's wrapper runs the GEMV kernel: one row of the 16-bit,
+    fp8, int8 and int8 weight-only GEMMs."""
+    return candidate_configs(key.m, key.n, GEMV_CANDIDATES, **{GEMV: True}) if GEMV in wrapper_keys(key) else []
