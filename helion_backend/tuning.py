@@ -76,6 +76,7 @@ from .options import (
     BackendOptions,
     default_tune_jobs,
 )
+from .policy import TableKey
 from .timing import Step, TimingConfig, relative_error, run_metadata, time_callable_us
 from .tuning_candidates import sweep_configs
 from .tuning_problems import TOLERANCE, Output, Problem, Search, TuneError, TuneKey, build_problem
@@ -87,7 +88,6 @@ log = logging.getLogger(__name__)
 # The sweep of the shipped table times with it too, so that user and shipped entries compare.
 TIMING = TimingConfig(warmup_calls=2, calls_per_graph=20, warmup_replays=3, replays=15)
 
-TableKey = tuple[str, str, int, int, int]  # (kernel, dtype, K, N, M): what a table entry is keyed by
 __all__ = ["DEFAULT_NUM_TOKENS", "TuneError", "TuneKey"]  # defined in .options and .tuning_problems
 
 
@@ -117,7 +117,8 @@ def expand_keys(sites: Sequence[ManifestSite], num_tokens: Sequence[int]) -> lis
 
 
 def _entry_key(entry: Mapping[str, Any]) -> TableKey:
-    return (entry.get("kernel", DEFAULT_KERNEL_FAMILY), entry["dtype"], int(entry["k"]), int(entry["n"]), int(entry["m"]))
+    return TableKey(entry.get("kernel", DEFAULT_KERNEL_FAMILY), entry["dtype"], int(entry["k"]), int(entry["n"]),
+                    int(entry["m"]))
 
 
 @dataclasses.dataclass

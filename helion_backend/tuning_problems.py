@@ -56,6 +56,7 @@ from .kernels.multi_gemm import multi_gemm_helion, multi_kernel_config
 from .kernels.quant_gemm import dequantize_groups_kernel, quantize_rows_kernel
 from .norm import RmsNormSpec, rms_norm
 from .options import BackendOptions
+from .policy import TableKey
 from .quant_program import QuantProgram, quantize_rows
 from .quantize import QUANT_FORMATS
 from .timing import Step, copies_to_defeat_l2
@@ -118,8 +119,8 @@ class TuneKey:
     prologue: tuple[str, ...] = ()
 
     @property
-    def table_key(self) -> tuple[str, str, int, int, int]:
-        return (self.kernel, self.dtype, self.k, self.n, self.m)
+    def table_key(self) -> TableKey:
+        return TableKey(self.kernel, self.dtype, self.k, self.n, self.m)
 
     @property
     def normed(self) -> bool:

@@ -18,7 +18,7 @@ import helion
 import torch
 
 from ..vocabulary import CONFIG_FALLBACK, DEFAULT_KERNEL_FAMILY, INT4_FAMILY, dtype_name
-from ..policy import NO_EVIDENCE, Decision, Entry, decide
+from ..policy import NO_EVIDENCE, Decision, Entry, TableShape, decide
 
 log = logging.getLogger(__name__)
 
@@ -127,17 +127,15 @@ def tables_digest(user_dir: str | None = None) -> str:
 
 TunedEntry = Entry  # one measured key of a GPU's table (see :class:`..policy.Entry`)
 
-TableKey = tuple[str, str, int, int]  # (kernel family, GEMM input dtype, K, N)
 
-
-def _read_table(path: Path) -> dict[TableKey, list[TunedEntry]]:
+def _read_table(path: Path) -> dict[TableShape, list[TunedEntry]]:
     """One table file; a missing file is empty, a malformed one is skipped with a warning naming it."""
     if not path.exists():
         return {}
-    table: dict[TableKey, list[TunedEntry]] = {}
+    table: dict[TableShape, list[TunedEntry]] = {}
     try:
         for entry in json.loads(path.read_text())["entries"]:
-            key = (entry.get("kernel", DEFAULT_KERNEL_FAMILY), entry["dtype"], int(entry["k"]), int(entry["n"]))
+            key = TableShape(entry.get("kernel", DEFAULT_KERNEL_FAMILY), entry["dtype"], int(entry["k"]), int(entry["n"]))
             table.setdefault(key, []).append(_entry(entry))
     except (OSError, ValueError, KeyError, TypeError) as e:
         log.warning("helion_inductor: ignoring the config table %s (%s)", path, e)
@@ -154,9 +152,9 @@ def _entry(entry: dict) -> Entry:
 
 
 @functools.cache
-def _table(gpu: str, user_dir: str | None = None) -> dict[TableKey, list[TunedEntry]]:
+def _table(gpu: str, user_dir: str | None = None) -> dict[TableShape, list[TunedEntry]]:
     """(kernel, dtype, K, N) -> entries sorted by M: the shipped table, overridden M by M by the user's."""
-    merged: dict[TableKey, dict[int, TunedEntry]] = {}
+    merged: dict[TableShape, dict[int, TunedEntry]] = {}
     for directory in (TUNED_DIR, *([Path(user_dir)] if user_dir else [])):
         for key, entries in _read_table(directory / f"{gpu}.json").items():
             merged.setdefault(key, {}).update((e.m, e) for e in entries)
