@@ -14,36 +14,23 @@ import json
 import logging
 import re
 from pathlib import Path
-import helion
+from .helion_import import helion  # isort: skip  (first: it defers scikit-learn)
 import torch
 
-from ..vocabulary import CONFIG_FALLBACK, DEFAULT_KERNEL_FAMILY, INT4_FAMILY, dtype_name
 from ..policy import NO_EVIDENCE, Decision, Entry, TableShape, decide
+from ..vocabulary import CONFIG_FALLBACK, DEFAULT_KERNEL_FAMILY, dtype_name
+from .family import GEMV, NUM_SMS, PAIRED_LOADS, PREQUANTIZE, SWAP_AB, split_k_choices
+from .family import family as family_row
 
 log = logging.getLogger(__name__)
 
 # Measured configs, one JSON file per GPU (`python -m helion_backend tune --effort sweep --table ...` writes them).
 TUNED_DIR = Path(__file__).resolve().parent / "tuned"
 
-NUM_SMS = 132  # H200: split-K grids are sized by it (the default configs and the tuner's candidates)
-_DECODE_MAX_M = 32
-# Each split must still run a few K blocks, or its atomic adds and the extra epilogue pass cost more
-# than the parallelism gains.
-_MIN_K_PER_SPLIT = 1024
-_MAX_SPLIT_K = 16
-
-# A key of ours in the quantized families' configs (removed before Helion sees them): quantize the
-# activation once, in a kernel of its own, instead of in every output tile (see kernels/quant_gemm.py).
-PREQUANTIZE = "prequantize"
-# Another, in the int4 configs: read the activation as [M, K/2, 2] pairs and split them in registers.
-PAIRED_LOADS = "paired_loads"
-# Another, in the 16-bit GEMM's configs: run the GEMV kernel (elementwise products summed over K after the
-# loop, no tensor-core dot, whose rows Helion pads to 16; see kernels/gemm.py's ``gemv_kernel``).
-GEMV = "gemv"
-# Another, in the fp8, int8 and int8 weight-only configs: run ``swapped_lowp_gemm_kernel``, which multiplies
-# the weight by the rows (``w @ x.T``) so that the dot's 64-row side is the weight's (kernels/quant_gemm.py).
-SWAP_AB = "swap_ab"
-_QUANTIZED_INPUTS = (torch.float8_e4m3fn, torch.int8)
+# Our keys in the families' configs (GEMV, PAIRED_LOADS, PREQUANTIZE, SWAP_AB) and the split-K sizing
+# (NUM_SMS, split_k_choices) live with the registry rows in .family.
+__all__ = ["GEMV", "NUM_SMS", "PAIRED_LOADS", "PREQUANTIZE", "SWAP_AB", "config_for", "decision", "default_config",
+           "split_k_choices"]
 # A table entry's field: option autotune_missing measured the key before a compiled graph's first run.
 CALIBRATED = "calibrated"
 
@@ -59,55 +46,10 @@ def split_key(config: helion.Config, ours: str) -> tuple[bool, helion.Config]:
     return bool(config.get(ours, False)), rest
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def split_k_choices(k: int) -> list[int]:
-    """The split-K factors worth trying at this K: powers of two up to the cap that leave every split deep
-    enough (what :func:`default_config` picks from, and what the tuner searches)."""
-    choices = [1]
-    while choices[-1] * 2 <= _MAX_SPLIT_K and k // (choices[-1] * 2) >= _MIN_K_PER_SPLIT:
-        choices.append(choices[-1] * 2)
-    return choices
-
-
-def _split_k(m_tiles: int, n_tiles: int, k: int) -> int:
-    """The largest choice that keeps the grid within one wave of SMs."""
-    return max(s for s in split_k_choices(k) if s == 1 or m_tiles * n_tiles * s <= NUM_SMS)
-
-
 @functools.cache  # called on every kernel launch without an explicit config
 def default_config(m: int, k: int, n: int, dtype: torch.dtype, kernel: str = DEFAULT_KERNEL_FAMILY) -> helion.Config:
-    """A config for the ``kernel`` family's GEMM at this shape; never autotuned."""
-    # fp32 tiles take twice the shared memory of 16-bit ones: halve the K block to keep the stages
-    # (fp8/int8 GEMMs keep the 16-bit block: the quantized kernel stages its activation in 16 bits).
-    k_scale = 2 if dtype == torch.float32 else 1
-    if m <= _DECODE_MAX_M:
-        # Narrow N tiles and deep K blocks won most decode keys of the H200 sweep (tuned/nvidia_h200.json).
-        block_m, block_n, block_k, num_warps, num_stages = 16, 32, 512 // k_scale, 4, 3
-    elif m <= 128:
-        block_m, block_n, block_k, num_warps, num_stages = 64, 128, 64 // k_scale, 4, 4
-    else:
-        block_m, block_n, block_k, num_warps, num_stages = 128, 128, 64 // k_scale, 8, 3
-    if kernel == INT4_FAMILY:
-        block_k = _int4_block_k(block_k)
-    # Every fp8/int8 key of the H200 sweep ran fastest with the activation quantized once, up front.
-    extra = {PREQUANTIZE: True} if dtype in _QUANTIZED_INPUTS else {}
-    return helion.Config(
-        block_sizes=[block_m, block_n, block_k],
-        num_warps=num_warps,
-        num_stages=num_stages,
-        split_k=_split_k(_cdiv(m, block_m), _cdiv(n, block_n), k),
-        **extra,
-    )
-
-
-def _int4_block_k(block_k: int) -> int:
-    """The int4 kernel's K block for a 16-bit one: it counts packed bytes (two columns of K each), and every
-    step holds four [block_k, block_n] tiles in registers (bytes, their group scales, two dequantized
-    nibbles), so a quarter of the 16-bit depth, and 128 columns of K at the least."""
-    return max(64, block_k // 4)
+    """The ``kernel`` family's hand-picked config at this shape (its registry row's); never autotuned."""
+    return helion.Config(**family_row(kernel).default_config(m, k, n, dtype))
 
 
 def gpu_key(device: torch.device) -> str:

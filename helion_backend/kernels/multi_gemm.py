@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-import helion
+from .helion_import import helion  # isort: skip  (first: it defers scikit-learn)
 import helion.language as hl
 import torch
 
@@ -34,6 +34,7 @@ from .. import norm as norm_module
 from ..epilogue import split_per_output
 from ..norm import RmsNormSpec
 from ..vocabulary import MEMBER_FAMILY, MULTI_GEMM_FAMILIES, MULTI_GEMM_FAMILY, MULTI_GEMM_SLOTS
+from .family import family
 from .configs import config_for
 from .gemm import (
     Signature,
@@ -170,7 +171,7 @@ def multi_gemm_helion(
     operands, scalars = list(operands), [float(s) for s in scalars]
     per_output = split_per_output(steps, operands, scalars)
     sigs = tuple(Signature.of(x, w, ops, scs, s, out_dtype, norm) for w, s, (ops, scs) in zip(w_kns, steps, per_output))
-    quantized = kernel_family != MULTI_GEMM_FAMILY
+    quantized = family(kernel_family).multiplies_quantized_rows
     for sig in sigs:
         check_quantized_signature(sig, kernel_family) if quantized else check_signature(sig)
         check_family_steps(sig.steps, MEMBER_FAMILY[kernel_family])

@@ -47,7 +47,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 
-import helion
+from .helion_import import helion  # isort: skip  (first: it defers scikit-learn)
 import helion.language as hl
 import torch
 from helion.autotuner import PowerOfTwoFragment
