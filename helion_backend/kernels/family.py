@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from ..vocabulary import (
-    ACTIVATION_QUANT_STEPS,
     DEFAULT_KERNEL_FAMILY,
     FP8_BLOCK_FAMILY,
     GLU_FAMILY,
@@ -295,11 +294,6 @@ def family(name: str) -> KernelFamily:
     if row is None:
         raise ValueError(f"unknown kernel family {name!r}; known: {list(FAMILIES)}")
     return row
-
-
-def quantizes_per_token(prologue: Sequence[str]) -> bool:
-    """Whether a prologue quantizes its activation per token (fp8's or int8's dynamic quantization)."""
-    return bool(set(prologue) & set(ACTIVATION_QUANT_STEPS.values()))
 
 
 def run_kernel(
