@@ -179,7 +179,7 @@ def _site_report(site: GemmSite, graph: str) -> SiteReport:
         spec = spec_of(site, graph)
     except ValueError:  # a site its rewrite could not describe (the rewrite left it to Inductor, saying why)
         spec = None
-    output = site.group.sites.index(site) if site.group is not None else 0
+    output = next(i for i, member in enumerate(site.group.sites) if member is site) if site.group is not None else 0
     return SiteReport(
         rule=site.rule.name,
         anchor=site.anchor.name,
