@@ -47,6 +47,31 @@ PREDICTED_MARGIN = 1.2
 NEAREST_MARGIN = 1.03
 
 
+class TableKey(NamedTuple):
+    """What a config table entry is keyed by: the family, the GEMM's input dtype (as the tables name it), K, N
+    and M."""
+
+    kernel: str
+    dtype: str
+    k: int
+    n: int
+    m: int
+
+    @property
+    def shape(self) -> TableShape:
+        """The key without its M: a table holds the entries of one shape sorted by M."""
+        return TableShape(self.kernel, self.dtype, self.k, self.n)
+
+
+class TableShape(NamedTuple):
+    """A :class:`TableKey` without its M."""
+
+    kernel: str
+    dtype: str
+    k: int
+    n: int
+
+
 class Entry(NamedTuple):
     """One measured key of a shape: its M, the config that won the sweep, and what the timing said."""
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from helion_backend import environment
-from helion_backend.policy import NO_EVIDENCE, Decision, Entry, decide
+from helion_backend.policy import NO_EVIDENCE, Decision, Entry, TableShape, decide
 from helion_backend.vocabulary import CONFIG_FALLBACK, DEFAULT_KERNEL_FAMILY, dtype_name
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,6 @@ CALIBRATED = "calibrated"
 
 TunedEntry = Entry  # one measured key of a GPU's table (see :class:`helion_backend.policy.Entry`)
 
-TableKey = tuple[str, str, int, int]  # (kernel family, GEMM input dtype, K, N)
 
 
 def gpu_key(device: torch.device) -> str:
@@ -68,14 +67,15 @@ def placement_digest(config_dir: str) -> str:
     return tables_digest(config_dir)
 
 
-def _read_table(path: Path) -> dict[TableKey, list[TunedEntry]]:
+def _read_table(path: Path) -> dict[TableShape, list[TunedEntry]]:
     """One table file; a missing file is empty, a malformed one is skipped with a warning naming it."""
     if not path.exists():
         return {}
-    table: dict[TableKey, list[TunedEntry]] = {}
+    table: dict[TableShape, list[TunedEntry]] = {}
     try:
         for entry in json.loads(path.read_text())["entries"]:
-            key = (entry.get("kernel", DEFAULT_KERNEL_FAMILY), entry["dtype"], int(entry["k"]), int(entry["n"]))
+            key = TableShape(entry.get("kernel", DEFAULT_KERNEL_FAMILY), entry["dtype"], int(entry["k"]),
+                             int(entry["n"]))
             table.setdefault(key, []).append(_entry(entry))
     except (OSError, ValueError, KeyError, TypeError) as e:
         log.warning("helion_inductor: ignoring the config table %s (%s)", path, e)
@@ -95,9 +95,9 @@ def _entry(entry: dict[str, Any]) -> Entry:
 
 
 @functools.cache
-def _table(gpu: str, user_dir: str | None = None) -> dict[TableKey, list[TunedEntry]]:
+def _table(gpu: str, user_dir: str | None = None) -> dict[TableShape, list[TunedEntry]]:
     """(kernel, dtype, K, N) -> entries sorted by M: the shipped table, overridden M by M by the user's."""
-    merged: dict[TableKey, dict[int, TunedEntry]] = {}
+    merged: dict[TableShape, dict[int, TunedEntry]] = {}
     for directory in (TUNED_DIR, *([Path(user_dir)] if user_dir else [])):
         for key, entries in _read_table(directory / f"{gpu}.json").items():
             merged.setdefault(key, {}).update((e.m, e) for e in entries)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable
 
 import torch
@@ -75,25 +74,22 @@ class OpCalls:
 
     def __init__(self, monkeypatch) -> None:
         from helion_backend.runtime import dispatch
-        from helion_backend.semantics.epilogue import OUTPUT_SEPARATOR
+        from helion_backend.semantics.epilogue import format_steps
 
         self.epilogues: list[str] = []
         self.launches = 0
         single, multi = dispatch.run_gemm_epilogue, dispatch.run_multi_gemm_epilogue
-        single_signature, multi_signature = inspect.signature(single), inspect.signature(multi)
 
-        def counting_single(*args, **kwargs):
-            self.launches += 1
-            self.epilogues.append(single_signature.bind(*args, **kwargs).arguments["epilogue"])
-            return single(*args, **kwargs)
+        def counting(run):
+            def count(spec, *args, **kwargs):
+                self.launches += 1
+                self.epilogues += [format_steps(steps) for steps in spec.epilogues]
+                return run(spec, *args, **kwargs)
 
-        def counting_multi(*args, **kwargs):
-            self.launches += 1
-            self.epilogues += multi_signature.bind(*args, **kwargs).arguments["epilogues"].split(OUTPUT_SEPARATOR)
-            return multi(*args, **kwargs)
+            return count
 
-        monkeypatch.setattr(dispatch, "run_gemm_epilogue", counting_single)
-        monkeypatch.setattr(dispatch, "run_multi_gemm_epilogue", counting_multi)
+        monkeypatch.setattr(dispatch, "run_gemm_epilogue", counting(single))
+        monkeypatch.setattr(dispatch, "run_multi_gemm_epilogue", counting(multi))
 
     @property
     def count(self) -> int:

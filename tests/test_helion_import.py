@@ -21,7 +21,7 @@ print(json.dumps(state))
 
 
 def _run(prelude: str) -> dict:
-    code = f"import json, sys\n{prelude}\nimport helion_backend.kernels\n{SURROGATES}"
+    code = f"import json, sys\n{prelude}\nimport helion_backend.kernels.gemm\n{SURROGATES}"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 

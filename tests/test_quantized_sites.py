@@ -91,7 +91,7 @@ def record_fused_inputs(monkeypatch) -> list[tuple[torch.dtype, bool]]:
 
     def recording(*args, **kwargs):
         arguments = signature.bind(*args, **kwargs).arguments
-        calls.append((arguments["x"].dtype, arguments["quant_program"] != ""))
+        calls.append((arguments["x"].dtype, arguments["spec"].quant_program is not None))
         return run(*args, **kwargs)
 
     monkeypatch.setattr(dispatch, "run_gemm_epilogue", recording)

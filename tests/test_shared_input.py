@@ -11,7 +11,7 @@ from helpers import NORMS_FUSED, compile_run, rel_err, sites
 from test_rmsnorm_prologue import HFRMSNorm
 
 from helion_backend.runtime import dispatch
-from helion_backend.semantics.epilogue import format_epilogues
+from helion_backend.semantics.gemm_spec import GemmSpec
 from helion_backend.vocabulary import MULTI_GEMM_FAMILY
 
 # The input norm fuses at every M these tests use.
@@ -122,11 +122,13 @@ def test_dynamic_token_count_runs_the_shared_launch_up_to_the_limit(op_calls):
 
 def test_the_op_refuses_epilogues_that_do_not_match_its_weights():
     x, w = torch.randn(2, D), torch.randn(KV, D)
+
+    def spec(*epilogues):
+        return GemmSpec(MULTI_GEMM_FAMILY, torch.float32, ("nk",) * len(epilogues), epilogues, max_helion_m=32)
+
     with pytest.raises(ValueError, match="2 weights need as many layouts and epilogues"):
-        dispatch.run_multi_gemm_epilogue(x, [w, w], "nk,nk", [], [], format_epilogues([[]]), torch.float32, 32)
+        dispatch.run_multi_gemm_epilogue(spec(()), x, [w, w], [], None)
     with pytest.raises(ValueError, match=r"read 1 tensor operand\(s\) and 0 scalar\(s\), got 0 and 0"):
-        dispatch.run_multi_gemm_epilogue(x, [w, w], "nk,nk", [], [], format_epilogues([["bias"], []]),
-                                         torch.float32, 32)
+        dispatch.run_multi_gemm_epilogue(spec(("bias",), ()), x, [w, w], [], None)
     with pytest.raises(ValueError, match="rmsnorm prologue step needs norm_weight and norm_spec"):
-        dispatch.run_multi_gemm_epilogue(x, [w, w], "nk,nk", [], [], format_epilogues([[], []]), torch.float32,
-                                         32, norm_weight=torch.ones(D))
+        dispatch.run_multi_gemm_epilogue(spec((), ()), x, [w, w], [], torch.ones(D))

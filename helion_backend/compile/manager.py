@@ -26,13 +26,13 @@ from helion_backend.compile.context import (
     AttentionSite,
     GemmSite,
     PassContext,
-    SiteGroup,
     tf32_matmuls_allowed,
 )
 from helion_backend.compile.graph_drawing import GraphSketch, Picture, draw
 from helion_backend.compile.graph_pass import GraphPass
 from helion_backend.compile.passes import ANALYSIS, TRANSFORMS
 from helion_backend.compile.provenance import model_location
+from helion_backend.compile.site_spec import spec_of
 from helion_backend.compile.rules import builtin_rule_files, load_rules, rules_digest
 from helion_backend.environment import package_digest
 from helion_backend.manifest import ManifestSite, record_sites
@@ -205,7 +205,7 @@ def _fill_report(ctx: PassContext) -> None:
             ctx.unanchored.append((site.anchor, site.reason or "no rule applies"))
             rules_tried[site.anchor] = list(site.objections)
         else:
-            ctx.report.sites.append(_site_report(site))
+            ctx.report.sites.append(_site_report(site, ctx.report.graph))
     ctx.report.unfused_gemms.extend(
         UnfusedGemm(node.name, str(node.target), reason, *model_location(node), rules_tried.get(node, []))
         for node, reason in ctx.unanchored
@@ -219,39 +219,41 @@ def _helion_sites(ctx: PassContext) -> list[ManifestSite]:
     its prologue (the shared launch's is its first site's: the sites share the activation and its norm).
     Also the launches kept off Helion only for want of a measurement of their key (evidence ``none``), up to
     ``max_helion_size``: tuning them is what would let a later compile place them on Helion."""
-    launches = [(site, site.group or SiteGroup([site], site.rule.kernel)) for site in ctx.sites
+    launches = [(site, site.group) for site in ctx.sites
                 if (site.runs_on == "helion" or site.untuned) and (site.group is None or site.group.sites[0] is site)]
     launches += [(group.sites[0], group) for group in ctx.untuned_groups]
-    return [
-        ManifestSite.declared(
-            kernel=launch.family,
-            epilogue=[s.name for member in launch.sites for s in member.steps],
+    manifest = []
+    for site, group in launches:
+        spec = spec_of(site, ctx.report.graph, ctx.options.config_dir, group)
+        members = group.sites if group is not None else [site]
+        manifest.append(ManifestSite.declared(
+            kernel=spec.kernel,
+            epilogue=spec.steps,
             dtype=dtype_name(site.dtype),
             k=site.k,
-            n=sum(member.n for member in launch.sites),
+            n=sum(member.n for member in members),
             m=site.static_m,
-            max_helion_m=ctx.options.max_helion_size if site.untuned else site.max_helion_m,
-            prologue=[s.name for s in site.prologue],
-            widths=[member.n for member in launch.sites] if len(launch.sites) > 1 else (),
-        )
-        for site, launch in launches
-    ]
+            max_helion_m=ctx.options.max_helion_size if site.untuned else spec.max_helion_m,
+            prologue=spec.prologue,
+            widths=[member.n for member in members] if len(members) > 1 else (),
+        ))
+    return manifest
 
 
-def _kernel(site: GemmSite) -> str:
-    """The kernel family that runs the site: its rule's, or the shared launch's."""
-    return site.group.family if site.group is not None else site.rule.kernel
-
-
-def _site_report(site: GemmSite) -> SiteReport:
+def _site_report(site: GemmSite, graph: str) -> SiteReport:
     module, source = model_location(site.anchor, site.output)
+    try:
+        spec = spec_of(site, graph)
+    except ValueError:  # a site its rewrite could not describe (the rewrite left it to Inductor, saying why)
+        spec = None
+    output = next(i for i, member in enumerate(site.group.sites) if member is site) if site.group is not None else 0
     return SiteReport(
         rule=site.rule.name,
         anchor=site.anchor.name,
         anchor_op=str(site.anchor.target),
-        prologue=[s.name for s in site.prologue],
-        epilogue=[s.name for s in site.steps],
-        kernel=_kernel(site),
+        prologue=list(spec.prologue) if spec is not None else [s.name for s in site.prologue],
+        epilogue=list(spec.epilogues[output]) if spec is not None else [s.name for s in site.steps],
+        kernel=spec.kernel if spec is not None else site.rule.kernel,
         runs_on=site.runs_on,
         why=site.reason,
         evidence=dict(site.evidence),

@@ -25,7 +25,7 @@ import functools
 import math
 from typing import NamedTuple
 
-import helion
+from .helion_import import helion  # isort: skip  (first: it defers scikit-learn)
 import helion.language as hl
 import torch
 from helion.autotuner import PowerOfTwoFragment

@@ -25,7 +25,7 @@ import functools
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import NamedTuple
 
-import helion
+from .helion_import import helion  # isort: skip  (first: it defers scikit-learn)
 import helion.language as hl
 import torch
 from helion.autotuner import PowerOfTwoFragment
@@ -50,6 +50,7 @@ from helion_backend.vocabulary import (
     RULE_DTYPES,
     Operand,
 )
+from helion_backend.kernels.family import family
 
 SUPPORTED_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -609,7 +610,7 @@ def glu_gemm_helion(
     (ops, scs), (up_ops, up_scs) = split_per_output((steps, up_steps), operands, scalars)
     sig = Signature.of(x, w_kn, ops, scs, steps, out_dtype, norm)
     up_sig = Signature.of(x, up_kn, up_ops, up_scs, up_steps, out_dtype, norm)
-    quantized = kernel_family != GLU_FAMILY
+    quantized = family(kernel_family).multiplies_quantized_rows
     for s in (sig, up_sig):
         check_quantized_signature(s, kernel_family) if quantized else check_signature(s)
     check_family_steps(steps, kernel_family)

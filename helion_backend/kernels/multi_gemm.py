@@ -25,11 +25,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-import helion
+from .helion_import import helion  # isort: skip  (first: it defers scikit-learn)
 import helion.language as hl
 import torch
 
 from helion_backend.kernels.configs import config_for
+from helion_backend.kernels.family import family
 from helion_backend.kernels.gemm import (
     Signature,
     TileEpilogue,
@@ -171,7 +172,7 @@ def multi_gemm_helion(
     operands, scalars = list(operands), [float(s) for s in scalars]
     per_output = split_per_output(steps, operands, scalars)
     sigs = tuple(Signature.of(x, w, ops, scs, s, out_dtype, norm) for w, s, (ops, scs) in zip(w_kns, steps, per_output))
-    quantized = kernel_family != MULTI_GEMM_FAMILY
+    quantized = family(kernel_family).multiplies_quantized_rows
     for sig in sigs:
         check_quantized_signature(sig, kernel_family) if quantized else check_signature(sig)
         check_family_steps(sig.steps, MEMBER_FAMILY[kernel_family])

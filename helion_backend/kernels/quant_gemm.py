@@ -47,7 +47,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 
-import helion
+from .helion_import import helion  # isort: skip  (first: it defers scikit-learn)
 import helion.language as hl
 import torch
 from helion.autotuner import PowerOfTwoFragment
@@ -372,7 +372,7 @@ def quant_gemm_helion(
     # they are first.
     prequantize = (prequantize or bool(config.get(GEMV)) or bool(config.get(SWAP_AB))) and program is not None
     if prequantize:
-        quantized, scale = quantize_rows(x, program)
+        quantized, scale = quantize_rows_helion(program, x)
         # The rows' scale becomes an epilogue operand; it commutes with the scaling steps before act_scale.
         steps = (TOKEN_SCALE, *(s for s in steps if s != ACT_SCALE))
         operands = [scale.view(m, 1).expand(m, n), *operands]
@@ -409,8 +409,9 @@ def _two_rows(t: torch.Tensor) -> torch.Tensor:
     return t.expand(2, *t.shape[1:])
 
 
-def quantize_rows(x: torch.Tensor, program: QuantProgram) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x_quantized [M, K], scale [M])`` from :func:`quantize_rows_kernel`."""
+def quantize_rows_helion(program: QuantProgram, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_quantized [M, K], scale [M])`` from :func:`quantize_rows_kernel`: what
+    :func:`helion_backend.quant_program.quantize_rows` computes, in one Helion launch."""
     m, k = x.shape
     quantized = torch.empty((m, k), dtype=program.quant_dtype, device=x.device)
     scale = torch.empty(m, dtype=program.scale_dtype, device=x.device)

@@ -13,24 +13,15 @@ import torch
 from helion_backend import report
 from helion_backend.environment import helion_unavailable_reason
 from helion_backend.runtime import verify
-from helion_backend.semantics.epilogue import (
-    apply_epilogue,
-    operand_kinds,
-    parse_epilogue,
-    parse_epilogues,
-    parse_prologue,
-    split_per_output,
-)
-from helion_backend.semantics.norm import RmsNormSpec, parse_spec, rms_norm
-from helion_backend.semantics.quant_program import QuantProgram, parse_program, quantize_rows
+from helion_backend.semantics.epilogue import apply_epilogue, operand_kinds, split_per_output
+from helion_backend.semantics.gemm_spec import SCALED_WEIGHT_STEPS, GemmSpec
+from helion_backend.semantics.norm import RmsNormSpec, rms_norm
+from helion_backend.semantics.quant_program import QuantProgram, quantize_rows
 from helion_backend.vocabulary import (
-    DEQUANT_FP8_BLOCK,
-    DEQUANT_INT4,
     FP8_BLOCK,
     INT4_HIGH_SHIFT,
     INT4_LOW_MASK,
     INT4_ZERO_POINT,
-    MULTI_GEMM_FAMILY,
     QUANT_DTYPES,
     RMSNORM,
     Operand,
@@ -46,96 +37,76 @@ _FAILED: dict[tuple[str, int], str] = {}
 
 
 def run_gemm_epilogue(
+    spec: GemmSpec,
     x: torch.Tensor,
     weight: torch.Tensor,
-    weight_layout: str,
     weight_scale: torch.Tensor | None,
     up_weight: torch.Tensor | None,
-    up_layout: str,
-    prologue: str,
-    quant_program: str,
     operands: Sequence[torch.Tensor],
-    scalars: Sequence[float],
-    epilogue: str,
-    out_dtype: torch.dtype,
-    kernel: str,
-    max_helion_m: int,
-    config_dir: str = "",
-    site: str = "",
     norm_weight: torch.Tensor | None = None,
-    norm_spec: str = "",
-    up_epilogue: str = "",
 ) -> torch.Tensor:
-    # The step names are validated here; what they do is in the program, the dtypes and ``weight_scale``.
-    prologue_steps = parse_prologue(prologue)
-    program = parse_program(quant_program) if quant_program else None
-    norm = _norm(prologue_steps, norm_weight, norm_spec)
-    steps, up_steps = parse_epilogue(epilogue), parse_epilogue(up_epilogue)
-    if up_steps and up_weight is None:
-        raise ValueError(f"up_epilogue {up_epilogue!r} without an up_weight")
-    _check_weight_dequant(prologue_steps, weight_layout, weight_scale, program)
-    w_kn = weight_kn(weight, weight_layout)
-    up_kn = weight_kn(up_weight, up_layout) if up_weight is not None else None
+    """The ``gemm_epilogue`` op: the ``spec.kernel`` family's Helion kernel for rows up to
+    ``spec.max_helion_m`` on CUDA, else (and after it failed for this site and M) the reference."""
+    steps, up_steps, program, site = spec.epilogue, spec.up_epilogue, spec.quant_program, spec.site
+    if (spec.up_layout is None) != (up_weight is None):
+        raise ValueError(f"site {site}: an up_weight goes with the spec's up_layout, got "
+                         f"{'an' if up_weight is not None else 'no'} up_weight and up_layout {spec.up_layout!r}")
+    _check_weight_scale(spec.prologue, weight_scale)
+    norm = _norm(spec, norm_weight)
+    w_kn = weight_kn(weight, spec.weight_layouts[0])
+    up_kn = weight_kn(up_weight, spec.up_layout) if up_weight is not None else None
     n = w_kn.shape[1]
+    scalars = list(spec.scalars)
     # The epilogue's operands, then the up projection's own (its scales on quantized rows).
-    (ops, scs), (up_ops, up_scs) = split_per_output((steps, up_steps), operands, scalars)
+    (ops, _), (up_ops, _) = split_per_output((steps, up_steps), operands, scalars)
     flat = [*flatten_operands(ops, steps, n), *flatten_operands(up_ops, up_steps, n)]
 
     def reference() -> torch.Tensor:
-        return unfused(x, w_kn, steps, flat, scalars, out_dtype, program, up_kn, weight_scale, norm, up_steps)
+        return unfused(x, w_kn, steps, flat, scalars, spec.out_dtype, program, up_kn, weight_scale, norm, up_steps)
 
-    if _runs_helion(x, max_helion_m, site):
+    if _runs_helion(x, spec.max_helion_m, site):
         fused = _try_helion(site, x.shape[0], lambda: _helion_gemm(
-            kernel, x, w_kn, steps, flat, scalars, out_dtype, config_dir or None, program, up_kn,
+            spec.kernel, x, w_kn, steps, flat, scalars, spec.out_dtype, spec.config_dir or None, program, up_kn,
             weight_scale=weight_scale, norm=norm, up_steps=up_steps))
         if fused is not None:
             if verify.watching():
-                dtypes = [x.dtype, w_kn.dtype, out_dtype, *([up_kn.dtype] if up_kn is not None else [])]
-                fused = _verified(site, x.shape[0], fused, reference, dtypes, _launch_text(kernel, x, [n]),
-                                  max_helion_m)
+                dtypes = [x.dtype, w_kn.dtype, spec.out_dtype, *([up_kn.dtype] if up_kn is not None else [])]
+                fused = _verified(site, x.shape[0], fused, reference, dtypes, _launch_text(spec.kernel, x, [n]),
+                                  spec.max_helion_m)
             return fused
     return reference()
 
 
 def run_multi_gemm_epilogue(
+    spec: GemmSpec,
     x: torch.Tensor,
     weights: Sequence[torch.Tensor],
-    weight_layouts: str,
     operands: Sequence[torch.Tensor],
-    scalars: Sequence[float],
-    epilogues: str,
-    out_dtype: torch.dtype,
-    max_helion_m: int,
-    config_dir: str = "",
-    site: str = "",
     norm_weight: torch.Tensor | None = None,
-    norm_spec: str = "",
-    kernel: str = MULTI_GEMM_FAMILY,
 ) -> list[torch.Tensor]:
     """The ``multi_gemm_epilogue`` op: one Helion launch for every output, or the reference of each."""
-    steps = parse_epilogues(epilogues)
-    layouts = weight_layouts.split(",")
-    if not len(weights) == len(layouts) == len(steps):
-        raise ValueError(f"{len(weights)} weights need as many layouts and epilogues, got {weight_layouts!r} "
-                         f"and {epilogues!r}")
-    norm = _norm((RMSNORM,) if norm_weight is not None or norm_spec else (), norm_weight, norm_spec)
-    w_kns = [weight_kn(w, layout) for w, layout in zip(weights, layouts)]
+    steps, scalars, site = spec.epilogues, list(spec.scalars), spec.site
+    if len(weights) != spec.outputs:
+        raise ValueError(f"site {site}: {len(weights)} weights need as many layouts and epilogues, got "
+                         f"{list(spec.weight_layouts)} and {[list(s) for s in steps]}")
+    norm = _norm(spec, norm_weight)
+    w_kns = [weight_kn(w, layout) for w, layout in zip(weights, spec.weight_layouts)]
     per_output = [(flatten_operands(ops, s, w.shape[1]), scs)
                   for w, s, (ops, scs) in zip(w_kns, steps, split_per_output(steps, operands, scalars))]
     flat = [op for ops, _ in per_output for op in ops]
 
     def reference() -> list[torch.Tensor]:
-        return unfused_multi(x, w_kns, steps, flat, scalars, out_dtype, norm)
+        return unfused_multi(x, w_kns, steps, flat, scalars, spec.out_dtype, norm)
 
-    if _runs_helion(x, max_helion_m, site):
+    if _runs_helion(x, spec.max_helion_m, site):
         fused = _try_helion(site, x.shape[0], lambda: _helion_multi_gemm(
-            x, w_kns, steps, flat, scalars, out_dtype, config_dir=config_dir or None, norm=norm,
-            kernel_family=kernel))
+            x, w_kns, steps, flat, scalars, spec.out_dtype, config_dir=spec.config_dir or None, norm=norm,
+            kernel_family=spec.kernel))
         if fused is not None:
             if verify.watching():
-                dtypes = [x.dtype, *(w.dtype for w in w_kns), out_dtype]
-                launch = _launch_text(kernel, x, [w.shape[1] for w in w_kns])
-                fused = _verified(site, x.shape[0], fused, reference, dtypes, launch, max_helion_m)
+                dtypes = [x.dtype, *(w.dtype for w in w_kns), spec.out_dtype]
+                launch = _launch_text(spec.kernel, x, [w.shape[1] for w in w_kns])
+                fused = _verified(site, x.shape[0], fused, reference, dtypes, launch, spec.max_helion_m)
             return fused
     return reference()
 
@@ -250,31 +221,22 @@ def _try_helion(site: str, m: int, launch: Callable[[], T]) -> T | None:
     return None
 
 
-def _check_weight_dequant(prologue: tuple[str, ...], weight_layout: str, weight_scale: torch.Tensor | None,
-                          program: QuantProgram | None) -> None:
-    """``dequant_int4`` and ``dequant_fp8_block`` read their [N, ..] weight's scales (``weight_scale``), block
-    fp8 also its activation's quantization program; no other prologue has a ``weight_scale``."""
-    scaled = DEQUANT_INT4 in prologue or DEQUANT_FP8_BLOCK in prologue
+def _check_weight_scale(prologue: tuple[str, ...], weight_scale: torch.Tensor | None) -> None:
+    """``dequant_int4`` and ``dequant_fp8_block`` read their [N, ..] weight's scales (``weight_scale``); no
+    other prologue has one."""
+    scaled = any(step in SCALED_WEIGHT_STEPS for step in prologue)
     if scaled != (weight_scale is not None):
-        problem = f"{'no' if scaled else 'a'} weight_scale"
-    elif scaled and weight_layout != "nk":
-        problem = f"weight_layout {weight_layout!r} (the scaled weights are [N, ..])"
-    elif DEQUANT_FP8_BLOCK in prologue and program is None:
-        problem = "no quant_program for the activation's groups"
-    else:
-        return
-    raise ValueError(f"prologue {list(prologue)} with {problem}")
+        raise ValueError(f"prologue {list(prologue)} with {'no' if scaled else 'a'} weight_scale")
 
 
-def _norm(prologue: tuple[str, ...], weight: torch.Tensor | None, spec: str) -> tuple[torch.Tensor, RmsNormSpec] | None:
+def _norm(spec: GemmSpec, weight: torch.Tensor | None) -> tuple[torch.Tensor, RmsNormSpec] | None:
     """The fused RMSNorm's weight and spec; refuses a norm weight without the ``rmsnorm`` step and the
     other way round, since either would silently skip or misapply the normalization."""
-    has_step = RMSNORM in prologue
-    if has_step != (weight is not None) or has_step != bool(spec):
+    if (spec.norm is not None) != (weight is not None):
         raise ValueError(f"the {RMSNORM} prologue step needs norm_weight and norm_spec, and they need it "
-                         f"(prologue {list(prologue)}, norm_weight {'given' if weight is not None else 'None'}, "
-                         f"norm_spec {spec!r})")
-    return (weight, parse_spec(spec)) if has_step else None
+                         f"(prologue {list(spec.prologue)}, norm_weight {'given' if weight is not None else 'None'}, "
+                         f"norm spec {spec.norm})")
+    return (weight, spec.norm) if spec.norm is not None else None
 
 
 def _clear_frames(error: BaseException | None) -> None:

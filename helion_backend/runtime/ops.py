@@ -13,100 +13,69 @@ from __future__ import annotations
 import torch
 
 from helion_backend.runtime import dispatch
-from helion_backend.vocabulary import MULTI_GEMM_FAMILY, OP_NAMESPACE
+from helion_backend.semantics.gemm_spec import GemmSpec
+from helion_backend.vocabulary import OP_NAMESPACE
 
 
 @torch.library.custom_op(f"{OP_NAMESPACE}::gemm_epilogue", mutates_args=())
 def gemm_epilogue(
     x: torch.Tensor,
     weight: torch.Tensor,
-    weight_layout: str,
     weight_scale: torch.Tensor | None,
     up_weight: torch.Tensor | None,
-    up_layout: str,
-    prologue: str,
-    quant_program: str,
     operands: list[torch.Tensor],
-    scalars: list[float],
-    epilogue: str,
-    out_dtype: torch.dtype,
-    kernel: str,
-    max_helion_m: int,
-    config_dir: str,
-    site: str,
-    norm_weight: torch.Tensor | None = None,
-    norm_spec: str = "",
-    up_epilogue: str = "",
+    norm_weight: torch.Tensor | None,
+    spec: str,
 ) -> torch.Tensor:
-    """``epilogue(prologue(x) @ prologue(weight))`` stored once in ``out_dtype``; x is [M, K], the result [M, N].
+    """``epilogue(prologue(x) @ prologue(weight))`` stored once in the spec's ``out_dtype``; x is [M, K], the
+    result [M, N]. ``spec`` is a :class:`~helion_backend.semantics.gemm_spec.GemmSpec` key: the weight's layout, the prologue and
+    epilogue steps, the scalars, the kernel family and the rows it runs, the site's name.
 
-    ``weight_layout`` is "kn" for a [K, N] weight and "nk" for an nn.Linear [N, K] weight.
     ``weight_scale`` is what a weight dequantization reads besides the weight (``dequant_int4``: the
     [N, K/G] group scales, with ``weight`` the packed uint8 [N, K/2] bytes; ``dequant_fp8_block``: the
-    fp32 [N/128, K/128] block scales of the fp8 [N, K] ``weight``); None elsewhere.
-    ``up_weight`` (layout ``up_layout``) is a gated MLP's up projection of the same x, which the
-    epilogue's ``up_mul`` step multiplies in, after its own steps ``up_epilogue`` (comma-joined, reading
-    ``operands`` and ``scalars`` after the epilogue's: an fp8/int8 up projection's token and channel
-    scales; "" for none); None elsewhere.
-    ``prologue`` is a comma-joined list of prologue steps (see :mod:`.vocabulary`); an activation
-    quantization carries its ops as ``quant_program`` (JSON, see :mod:`.quant_program`), else "".
-    ``epilogue`` is a comma-joined step list (see :mod:`.epilogue`) reading ``operands`` and
-    ``scalars`` in order. ``kernel`` names the kernel family; rows up to ``max_helion_m`` run it,
-    with configs from ``config_dir`` (user-tuned; "" for none) before the shipped ones. ``site`` names
-    the site in the report (``graph:anchor``), for the warning if its kernel fails.
-    With an ``rmsnorm`` prologue, x is the norm's input, ``norm_weight`` its [K] weight and ``norm_spec``
-    its eps and rounding (JSON, see :mod:`.norm`); the GEMM multiplies the normalized rows.
+    fp32 [N/128, K/128] block scales of the fp8 [N, K] ``weight``); None elsewhere. ``up_weight`` is a
+    gated MLP's up projection of the same x, which the epilogue's ``up_mul`` step multiplies in; None
+    elsewhere. ``operands`` are the epilogue's tensor operands in order, then the up projection's own.
+    With an ``rmsnorm`` prologue, x is the norm's input and ``norm_weight`` its [K] weight.
     """
-    return dispatch.run_gemm_epilogue(
-        x, weight, weight_layout, weight_scale, up_weight, up_layout, prologue, quant_program, operands, scalars,
-        epilogue, out_dtype, kernel, max_helion_m, config_dir, site, norm_weight, norm_spec, up_epilogue,
-    )
+    return dispatch.run_gemm_epilogue(GemmSpec.from_key(spec), x, weight, weight_scale, up_weight, operands,
+                                      norm_weight)
 
 
 @gemm_epilogue.register_fake
-def _(x, weight, weight_layout, weight_scale, up_weight, up_layout, prologue, quant_program, operands, scalars,
-      epilogue, out_dtype, kernel, max_helion_m, config_dir, site, norm_weight=None, norm_spec="", up_epilogue=""):
-    n = weight.shape[0] if weight_layout == "nk" else weight.shape[1]
-    return x.new_empty((x.shape[0], n), dtype=out_dtype)
+def _(x, weight, weight_scale, up_weight, operands, norm_weight, spec):
+    parsed = GemmSpec.from_key(spec)
+    return x.new_empty((x.shape[0], output_width(weight, parsed.weight_layouts[0])), dtype=parsed.out_dtype)
 
 
 @torch.library.custom_op(f"{OP_NAMESPACE}::multi_gemm_epilogue", mutates_args=())
 def multi_gemm_epilogue(
     x: torch.Tensor,
     weights: list[torch.Tensor],
-    weight_layouts: str,
     operands: list[torch.Tensor],
-    scalars: list[float],
-    epilogues: str,
-    out_dtype: torch.dtype,
-    max_helion_m: int,
-    config_dir: str,
-    site: str,
-    norm_weight: torch.Tensor | None = None,
-    norm_spec: str = "",
-    kernel: str = MULTI_GEMM_FAMILY,
+    norm_weight: torch.Tensor | None,
+    spec: str,
 ) -> list[torch.Tensor]:
     """``[epilogue_i(x @ weights[i])]``: GEMMs of one activation (a decoder's q, k and v), one launch.
 
-    ``weight_layouts`` holds each weight's layout ("kn" or "nk"), comma-joined; ``epilogues`` each
-    output's epilogue steps, joined by :data:`~helion_backend.semantics.epilogue.OUTPUT_SEPARATOR`; ``operands``
-    and ``scalars`` every output's in turn. With ``norm_weight`` and ``norm_spec`` (as in
-    :func:`gemm_epilogue`) x is an RMSNorm's input and every GEMM multiplies the normalized rows.
-    ``kernel`` is the shared launch's family (``gemm_multi``; ``gemm_multi_fp8`` and ``gemm_multi_int8``
-    multiply quantized rows, each output rescaled by its epilogue). The other arguments are
-    :func:`gemm_epilogue`'s.
+    ``spec`` (a :class:`~helion_backend.semantics.gemm_spec.GemmSpec` key) holds each weight's layout and each output's epilogue;
+    ``operands`` are every output's in turn. With ``norm_weight`` x is an RMSNorm's input and every GEMM
+    multiplies the normalized rows. The spec's kernel is the shared launch's family (``gemm_multi``;
+    ``gemm_multi_fp8`` and ``gemm_multi_int8`` multiply quantized rows, each output rescaled by its epilogue).
     """
-    return dispatch.run_multi_gemm_epilogue(
-        x, weights, weight_layouts, operands, scalars, epilogues, out_dtype, max_helion_m, config_dir, site,
-        norm_weight, norm_spec, kernel,
-    )
+    return dispatch.run_multi_gemm_epilogue(GemmSpec.from_key(spec), x, weights, operands, norm_weight)
 
 
 @multi_gemm_epilogue.register_fake
-def _(x, weights, weight_layouts, operands, scalars, epilogues, out_dtype, max_helion_m, config_dir, site,
-      norm_weight=None, norm_spec="", kernel=MULTI_GEMM_FAMILY):
-    widths = [w.shape[0] if layout == "nk" else w.shape[1] for w, layout in zip(weights, weight_layouts.split(","))]
-    return [x.new_empty((x.shape[0], n), dtype=out_dtype) for n in widths]
+def _(x, weights, operands, norm_weight, spec):
+    parsed = GemmSpec.from_key(spec)
+    return [x.new_empty((x.shape[0], output_width(w, layout)), dtype=parsed.out_dtype)
+            for w, layout in zip(weights, parsed.weight_layouts)]
+
+
+def output_width(weight: torch.Tensor, layout: str) -> int:
+    """N of a weight stored in ``layout`` ("nk": an nn.Linear [N, K] weight; "kn": [K, N])."""
+    return weight.shape[0] if layout == "nk" else weight.shape[1]
 
 
 @torch.library.custom_op(f"{OP_NAMESPACE}::decode_attention", mutates_args=())

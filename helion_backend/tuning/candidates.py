@@ -15,18 +15,10 @@ import helion
 import torch
 
 from helion_backend.kernels.configs import GEMV, NUM_SMS, PAIRED_LOADS, PREQUANTIZE, SWAP_AB
+from helion_backend.kernels.family import FAMILIES
 from helion_backend.kernels.gemm import glu_kernel_config
-from helion_backend.tuning.problems import QUANT_FORMAT_OF, TuneKey, quantizes_its_rows, wrapper_keys
-from helion_backend.vocabulary import (
-    FP8_BLOCK,
-    FP8_BLOCK_FAMILY,
-    GLU_FAMILIES,
-    GLU_FAMILY,
-    INT4_FAMILY,
-    MULTI_GEMM_FAMILIES,
-    MULTI_GEMM_FAMILY,
-    WEIGHT_ONLY_FAMILY,
-)
+from helion_backend.tuning.problems import TuneKey, quantizes_its_rows, wrapper_keys
+from helion_backend.vocabulary import FP8_BLOCK
 
 Candidate = tuple[int, int, int, int, int, int, str]
 # (block_m, block_n, block_k, num_warps, num_stages, split_k, indexing). Helion shrinks block_m to M
@@ -204,26 +196,38 @@ def wgmma_candidates(m: int, n: int, one_row: bool = False, **extra: object) -> 
     return candidate_configs(m, n, WGMMA_CANDIDATES, pad_rows=True, **extra) if m > 1 or one_row else []
 
 
-def quant_candidates(key: TuneKey) -> list[helion.Config]:
-    """A quantized family's candidates: int4's own K blocks, each also with ``paired_loads``; block fp8's
-    one-group K blocks, and with ``prequantize`` deeper ones; the one-byte deep tiles for the rest, and for
-    fp8 and int8 rows the 64-row ones. A site that quantizes its own rows also tries each with ``prequantize``
-    (the rows quantized once, by a kernel of their own), and the deep and 64-row tiles only so, as that won
-    every such fp8 and int8 key; for any other site the key would change nothing, and each config is timed
-    once."""
+def int4_candidates(key: TuneKey) -> list[helion.Config]:
+    """int4's own K blocks, each also with ``paired_loads``."""
     m, n = key.m, key.n
-    if key.kernel == INT4_FAMILY:
-        return candidate_configs(m, n, INT4_CANDIDATES) + candidate_configs(
-            m, n, INT4_CANDIDATES, **{PAIRED_LOADS: True})
-    if key.kernel == FP8_BLOCK_FAMILY:
-        return candidate_configs(m, n, BLOCK_FP8_CANDIDATES) + candidate_configs(
-            m, n, BLOCK_FP8_PREQUANTIZED_CANDIDATES, **{PREQUANTIZE: True})
-    if key.kernel == WEIGHT_ONLY_FAMILY:  # a float activation: the weight is converted in registers anyway
-        return candidate_configs(m, n, QUANT_CANDIDATES + ONE_BYTE_CANDIDATES)
+    return candidate_configs(m, n, INT4_CANDIDATES) + candidate_configs(m, n, INT4_CANDIDATES, **{PAIRED_LOADS: True})
+
+
+def block_fp8_candidates(key: TuneKey) -> list[helion.Config]:
+    """Block fp8's one-group K blocks, and with ``prequantize`` deeper ones."""
+    m, n = key.m, key.n
+    return candidate_configs(m, n, BLOCK_FP8_CANDIDATES) + candidate_configs(
+        m, n, BLOCK_FP8_PREQUANTIZED_CANDIDATES, **{PREQUANTIZE: True})
+
+
+def weight_only_candidates(key: TuneKey) -> list[helion.Config]:
+    """The int8 weight-only family's: a float activation, the weight converted in registers anyway (the
+    one-byte deep tiles), then its GEMV and swapped forms."""
+    tiles = candidate_configs(key.m, key.n, QUANT_CANDIDATES + ONE_BYTE_CANDIDATES)
+    return tiles + gemv_candidates(key) + swapped_candidates(key)
+
+
+def row_quant_candidates(key: TuneKey) -> list[helion.Config]:
+    """fp8's and int8's: the one-byte deep tiles and the 64-row ones. A site that quantizes its own rows also
+    tries the quantized families' tiles, and the deep and 64-row ones only with ``prequantize`` (the rows
+    quantized once, by a kernel of their own), as that won every such fp8 and int8 key; for any other site
+    the key would change nothing, and each config is timed once. Then the GEMV and swapped forms."""
+    m, n = key.m, key.n
     if not quantizes_its_rows(key):
-        return one_byte_candidates(m, n, one_row=True)
-    return candidate_configs(m, n, QUANT_CANDIDATES) + one_byte_candidates(m, n, one_row=True,
-                                                                           **{PREQUANTIZE: True})
+        tiles = one_byte_candidates(m, n, one_row=True)
+    else:
+        tiles = candidate_configs(m, n, QUANT_CANDIDATES) + one_byte_candidates(m, n, one_row=True,
+                                                                                **{PREQUANTIZE: True})
+    return tiles + gemv_candidates(key) + swapped_candidates(key)
 
 
 def glu_candidates(m: int, n: int) -> list[helion.Config]:
@@ -238,20 +242,34 @@ def sweep_configs(key: TuneKey, current: helion.Config) -> list[helion.Config]:
 
 
 def candidates_for(key: TuneKey) -> list[helion.Config]:
-    """The family's candidates at this key's M and N."""
-    if key.kernel == GLU_FAMILY:
-        return glu_candidates(key.m, key.n)
-    if key.kernel in GLU_FAMILIES:  # on quantized rows: the quantized candidates as the gated kernel runs them
-        return list(dict.fromkeys(glu_kernel_config(c, 1, False) for c in one_byte_candidates(key.m, key.n)))
-    if key.kernel in MULTI_GEMM_FAMILIES.values():  # no split-K: the outputs' tiles supply the parallelism
-        candidates = candidate_configs(key.m, key.n, CANDIDATES)
-        if key.kernel != MULTI_GEMM_FAMILY:
-            candidates += candidate_configs(key.m, key.n, ONE_BYTE_CANDIDATES)
-            candidates += wgmma_candidates(key.m, key.n)
-        return [c for c in candidates if c["split_k"] == 1]
-    if key.kernel in QUANT_FORMAT_OF:
-        return quant_candidates(key) + gemv_candidates(key) + swapped_candidates(key)
+    """The family's candidates at this key's M and N (its registry row's)."""
+    return FAMILIES[key.kernel].candidates(key)
+
+
+def float_candidates(key: TuneKey) -> list[helion.Config]:
+    """The 16-bit GEMM's: the tile candidates, then its GEMV form at one row."""
     return candidate_configs(key.m, key.n) + gemv_candidates(key)
+
+
+def glu_family_candidates(key: TuneKey) -> list[helion.Config]:
+    return glu_candidates(key.m, key.n)
+
+
+def quantized_glu_candidates(key: TuneKey) -> list[helion.Config]:
+    """The gated kernel on quantized rows: the quantized candidates as it runs them, each once."""
+    return list(dict.fromkeys(glu_kernel_config(c, 1, False) for c in one_byte_candidates(key.m, key.n)))
+
+
+def multi_candidates(key: TuneKey) -> list[helion.Config]:
+    """A shared launch's: no split-K (the outputs' tiles supply the parallelism)."""
+    return [c for c in candidate_configs(key.m, key.n, CANDIDATES) if c["split_k"] == 1]
+
+
+def quantized_multi_candidates(key: TuneKey) -> list[helion.Config]:
+    """A shared launch on quantized rows: :func:`multi_candidates` and the one-byte and 64-row tiles."""
+    candidates = [*candidate_configs(key.m, key.n, CANDIDATES), *candidate_configs(key.m, key.n, ONE_BYTE_CANDIDATES),
+                  *wgmma_candidates(key.m, key.n)]
+    return [c for c in candidates if c["split_k"] == 1]
 
 
 def swapped_candidates(key: TuneKey) -> list[helion.Config]:

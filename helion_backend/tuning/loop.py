@@ -77,16 +77,9 @@ from helion_backend.options import (
     BackendOptions,
     default_tune_jobs,
 )
+from helion_backend.policy import TableKey
 from helion_backend.tuning.candidates import sweep_configs
-from helion_backend.tuning.problems import (
-    TOLERANCE,
-    Output,
-    Problem,
-    Search,
-    TuneError,
-    TuneKey,
-    build_problem,
-)
+from helion_backend.tuning.problems import TOLERANCE, Output, Problem, Search, TuneError, TuneKey, build_problem
 from helion_backend.tuning.timing import Step, TimingConfig, relative_error, run_metadata, time_callable_us
 from helion_backend.tuning.warmup import pool_for
 from helion_backend.vocabulary import DEFAULT_KERNEL_FAMILY
@@ -96,7 +89,6 @@ log = logging.getLogger(__name__)
 # The sweep of the shipped table times with it too, so that user and shipped entries compare.
 TIMING = TimingConfig(warmup_calls=2, calls_per_graph=20, warmup_replays=3, replays=15)
 
-TableKey = tuple[str, str, int, int, int]  # (kernel, dtype, K, N, M): what a table entry is keyed by
 __all__ = ["DEFAULT_NUM_TOKENS", "TuneError", "TuneKey"]  # defined in .options and .tuning_problems
 
 
@@ -126,7 +118,8 @@ def expand_keys(sites: Sequence[ManifestSite], num_tokens: Sequence[int]) -> lis
 
 
 def _entry_key(entry: Mapping[str, Any]) -> TableKey:
-    return (entry.get("kernel", DEFAULT_KERNEL_FAMILY), entry["dtype"], int(entry["k"]), int(entry["n"]), int(entry["m"]))
+    return TableKey(entry.get("kernel", DEFAULT_KERNEL_FAMILY), entry["dtype"], int(entry["k"]), int(entry["n"]),
+                    int(entry["m"]))
 
 
 @dataclasses.dataclass

@@ -41,20 +41,20 @@ import helion
 import torch
 
 from helion_backend.compile.trace import trace_sites
-from helion_backend.kernels import configs, run_kernel
+from helion_backend.kernels import FAMILIES, configs, run_kernel
 from helion_backend.kernels.gemm import (
     Launch,
     epilogue_kernel,
     gemm_config_of_norm_kernel,
     gemm_epilogue_helion,
     glu_gemm_helion,
-    glu_kernel_config,
     record_launches,
 )
-from helion_backend.kernels.multi_gemm import multi_gemm_helion, multi_kernel_config
+from helion_backend.kernels.multi_gemm import multi_gemm_helion
 from helion_backend.kernels.quant_gemm import dequantize_groups_kernel, quantize_rows_kernel
 from helion_backend.layers.quantize import QUANT_FORMATS
 from helion_backend.options import BackendOptions
+from helion_backend.policy import TableKey
 from helion_backend.runtime import dispatch
 from helion_backend.semantics.epilogue import apply_epilogue, num_scalars, operand_kinds
 from helion_backend.semantics.norm import RmsNormSpec, rms_norm
@@ -64,14 +64,7 @@ from helion_backend.vocabulary import (
     ACTIVATION_QUANT_STEPS,
     BIAS,
     CHANNEL_SCALE,
-    CONFIG_FALLBACK,
     DEFAULT_KERNEL_FAMILY,
-    FP8_BLOCK_FAMILY,
-    FP8_FAMILY,
-    GLU_FAMILIES,
-    GLU_FAMILY,
-    INT4_FAMILY,
-    INT8_FAMILY,
     KERNEL_FAMILIES,
     MEMBER_FAMILY,
     MULTI_GEMM_FAMILY,
@@ -81,7 +74,6 @@ from helion_backend.vocabulary import (
     SUPPORTED_DTYPES,
     TOKEN_SCALE,
     UP_MUL,
-    WEIGHT_ONLY_FAMILY,
     Operand,
     dtype_name,
 )
@@ -92,16 +84,10 @@ from helion_backend.vocabulary import (
 TOLERANCE = 1e-2
 NORM_SPEC = RmsNormSpec(1e-6, round_before_weight=True)  # LlamaRMSNorm / Qwen3RMSNorm
 QUANT_ACTIVATION_DTYPE = "bfloat16"  # of fp8/int8 sites, whose manifest dtype is the quantized one
-# The helion_backend.layers.quantize format whose layers each quantized family runs.
-QUANT_FORMAT_OF = {FP8_FAMILY: "fp8_dynamic", INT8_FAMILY: "int8_dynamic", WEIGHT_ONLY_FAMILY: "int8_weight_only",
-                   INT4_FAMILY: "int4_weight_only", FP8_BLOCK_FAMILY: "fp8_block"}
+# The helion_backend.layers.quantize format whose layers each quantized family runs (the registry rows').
+QUANT_FORMAT_OF = {row.name: row.quant_format for row in FAMILIES.values() if row.quant_format}
 SPLIT_K, PREQUANTIZE, PAIRED_LOADS = "split_k", configs.PREQUANTIZE, configs.PAIRED_LOADS
 GEMV, SWAP_AB = configs.GEMV, configs.SWAP_AB
-# The quantized families that multiply rows quantized before the GEMM (fp8, int8) or a float x by an int8
-# weight: their wrapper also runs the operands swapped (``swap_ab``).
-SWAP_AB_FAMILIES = (FP8_FAMILY, INT8_FAMILY, WEIGHT_ONLY_FAMILY)
-# The families whose wrapper runs the GEMV kernel at one row (``gemv``): the 16-bit GEMM and those above.
-GEMV_FAMILIES = (DEFAULT_KERNEL_FAMILY, *SWAP_AB_FAMILIES)
 HELION_TUNABLES = frozenset({SPLIT_K})  # of the searched keys, those Helion's autotuner can hold fixed
 # Launches around the GEMM, never tuned.
 _HELPER_KERNELS = (epilogue_kernel, quantize_rows_kernel, dequantize_groups_kernel)
@@ -127,8 +113,8 @@ class TuneKey:
     prologue: tuple[str, ...] = ()
 
     @property
-    def table_key(self) -> tuple[str, str, int, int, int]:
-        return (self.kernel, self.dtype, self.k, self.n, self.m)
+    def table_key(self) -> TableKey:
+        return TableKey(self.kernel, self.dtype, self.k, self.n, self.m)
 
     @property
     def normed(self) -> bool:
@@ -205,16 +191,12 @@ def gemm_launch(run: Callable[[helion.Config, int], Output], config: helion.Conf
 
 
 def build_problem(key: TuneKey, device: torch.device) -> Problem:
-    """The problem of ``key``; raises ``TuneError`` for a key no problem can rebuild, saying why."""
-    if key.kernel in QUANT_FORMAT_OF:
-        return _quantized_problem(key, device)
-    if key.kernel == MULTI_GEMM_FAMILY:
-        return _multi_problem(key, device)
-    if key.kernel in (DEFAULT_KERNEL_FAMILY, GLU_FAMILY):
-        return _float_problem(key, device)
-    if key.kernel in CONFIG_FALLBACK:
-        return _quantized_sibling_problem(key, device)
-    raise TuneError(f"no tuning problem for the kernel family {key.kernel!r}")
+    """The problem of ``key`` (its family's registry row's); raises ``TuneError`` for a key no problem can
+    rebuild, saying why."""
+    row = FAMILIES.get(key.kernel)
+    if row is None:
+        raise TuneError(f"no tuning problem for the kernel family {key.kernel!r}")
+    return row.problem(key, device)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -310,15 +292,15 @@ def _fresh_code(fn: Callable[..., Output]) -> Callable[..., Output]:
 # Families
 
 
-def _float_problem(key: TuneKey, device: torch.device) -> Problem:
+def float_problem(key: TuneKey, device: torch.device) -> Problem:
     """``gemm`` and ``gemm_glu``: random float operands, checked against float64, against torch.compile of
     the unfused computation (cuBLAS, then Inductor's fused epilogue)."""
     dtype = SUPPORTED_DTYPES[key.dtype]
-    glu = key.kernel == GLU_FAMILY
+    glu = _gated(key.kernel)
     weights = 2 if glu else 1  # the gated kernel streams two weights a call
     calls = float_calls(key, device, copies_to_defeat_l2(weights * key.k * key.n * dtype.itemsize, device))
     if glu:  # the table holds what the gated kernel runs; it has no split-K
-        to_table = functools.partial(glu_kernel_config, itemsize=dtype.itemsize, normed=key.normed)
+        to_table = functools.partial(FAMILIES[key.kernel].config_adapter, itemsize=dtype.itemsize, normed=key.normed)
         searched = {}
     else:
         to_table = gemm_config_of_norm_kernel if key.normed else (lambda config: config)
@@ -343,17 +325,12 @@ def wrapper_keys(key: TuneKey) -> dict[str, tuple[bool, ...]]:
     """Our config keys that make ``key``'s wrapper run another kernel, with their values: ``prequantize`` for a
     site that quantizes its own rows (:func:`quantizes_its_rows`) and for block fp8 (whose kernel always
     quantizes its groups itself), ``paired_loads`` for int4, ``gemv`` at one row of the
-    :data:`GEMV_FAMILIES`, ``swap_ab`` for the :data:`SWAP_AB_FAMILIES`."""
-    keys: dict[str, tuple[bool, ...]] = {}
-    if quantizes_its_rows(key) or key.kernel == FP8_BLOCK_FAMILY:
-        keys[PREQUANTIZE] = (False, True)
-    if key.kernel == INT4_FAMILY:
-        keys[PAIRED_LOADS] = (False, True)
-    if key.kernel in GEMV_FAMILIES and key.m == 1:
-        keys[GEMV] = (False, True)
-    if key.kernel in SWAP_AB_FAMILIES:
-        keys[SWAP_AB] = (False, True)
-    return keys
+    families whose wrapper has it, ``swap_ab`` for those whose wrapper has it (the registry rows'
+    ``wrapper_keys``)."""
+    own = FAMILIES[key.kernel].wrapper_keys
+    wanted = {PREQUANTIZE: quantizes_its_rows(key) or PREQUANTIZE in own, PAIRED_LOADS: PAIRED_LOADS in own,
+              GEMV: GEMV in own and key.m == 1, SWAP_AB: SWAP_AB in own}
+    return {name: (False, True) for name, wanted_here in wanted.items() if wanted_here}
 
 
 def _current(key: TuneKey, device: torch.device) -> helion.Config:
@@ -361,7 +338,7 @@ def _current(key: TuneKey, device: torch.device) -> helion.Config:
     return configs.config_for(key.m, key.k, key.n, RULE_DTYPES[key.dtype], device, kernel=key.kernel)
 
 
-def _multi_problem(key: TuneKey, device: torch.device) -> Problem:
+def multi_problem(key: TuneKey, device: torch.device) -> Problem:
     """``gemm_multi``: the outputs of one activation (and its norm) in one launch, checked against float64,
     against torch.compile of the norm and the separate GEMMs and (``separate_us``) against one launch of
     the ``gemm`` family per output with its table config (the backend with ``merge_siblings`` off)."""
@@ -389,7 +366,7 @@ def _multi_problem(key: TuneKey, device: torch.device) -> Problem:
         reference=dispatch.unfused_multi(x64, w64, steps, [], [], torch.float64),
         fallback=lambda: compiled(dispatch.unfused_multi, lambda i: (*args(i), norm[i % copies])),
         current=_current(key, device),
-        epilogue=(), to_table=multi_kernel_config, extra_timings={"separate_us": separate},
+        epilogue=(), to_table=FAMILIES[key.kernel].config_adapter, extra_timings={"separate_us": separate},
     )
 
 
@@ -406,7 +383,7 @@ def quantized_site(family: str, fuse_activation_quant: bool = BackendOptions.fus
 def _quantized_layer(family: str, k: int, n: int, bias: bool, device: torch.device,
                      dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
     linear = torch.nn.Linear(k, n, bias=bias, device=device, dtype=dtype)
-    return QUANT_FORMATS[QUANT_FORMAT_OF[family]].from_linear(linear).eval()
+    return QUANT_FORMATS[FAMILIES[family].quant_format].from_linear(linear).eval()
 
 
 def _trace(layer: torch.nn.Module, x: torch.Tensor, fuse_activation_quant: bool) -> Any:
@@ -418,7 +395,7 @@ def _layer_steps(site: Any) -> tuple[str, ...]:
     return tuple(step.name for step in site.steps)
 
 
-def _quantized_problem(key: TuneKey, device: torch.device) -> Problem:
+def quantized_problem(key: TuneKey, device: torch.device) -> Problem:
     """A quantized family: layers as :mod:`helion_backend.layers.quantize` builds them (with a bias where the site
     adds one), the site's epilogue after the layer's own steps, checked against the unfused quantized
     computation and timed against torch.compile of the layer and those steps. An fp8/int8 key without its
@@ -486,16 +463,19 @@ def _quantized_call(family: str, layer: torch.nn.Module, rows: tuple[torch.Tenso
     # Flattened as the fused op hands them to the kernels (the rows' [M, 1] scales become an [M, N] view).
     operands = [*dispatch.flatten_operands([from_layer[step]() for step in own if operand_kinds((step,))], own,
                                            layer.out_features), *extra]
-    common = dict(x=x, steps=steps, operands=operands, scalars=scalars, out_dtype=out_dtype)
-    if family == INT4_FAMILY:
-        return Call(w_kn=layer.packed.t(), weight_scale=layer.scales, **common)
-    if family == FP8_BLOCK_FAMILY:
-        return Call(w_kn=layer.qweight.t(), weight_scale=layer.weight_scale, program=program, **common)
-    return Call(w_kn=layer.qweight.t(), program=program, **common)
+    w_kn, weight_scale = FAMILIES[family].layer_weight(layer)
+    return Call(x=x, w_kn=w_kn, steps=steps, operands=operands, scalars=scalars, out_dtype=out_dtype,
+                program=program, weight_scale=weight_scale)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Sibling fusions on quantized rows
+
+
+def _gated(family: str) -> bool:
+    """Whether the family is a gated MLP's (gate and up projections in one kernel: the ``up_mul`` step)."""
+    signature = KERNEL_FAMILIES.get(family)
+    return signature is not None and UP_MUL in signature.needs_steps
 
 
 def quantized_sibling_epilogue(family: str) -> tuple[str, ...]:
@@ -503,17 +483,17 @@ def quantized_sibling_epilogue(family: str) -> tuple[str, ...]:
     before the call: token and channel scales, int8's casts), then for the gated families SiLU and the product."""
     _, _, own = quantized_site(MEMBER_FAMILY[family], False)
     own = tuple(step for step in own if step != BIAS)  # the sweep's layers have no bias
-    return (*own, SILU, UP_MUL) if family in GLU_FAMILIES else ()
+    return (*own, SILU, UP_MUL) if _gated(family) else ()
 
 
-def _quantized_sibling_problem(key: TuneKey, device: torch.device) -> Problem:
+def quantized_sibling_problem(key: TuneKey, device: torch.device) -> Problem:
     """``gemm_multi_fp8``/``_int8`` (q, k, v: ``widths``) and ``gemm_glu_fp8``/``_int8`` (gate and up, N each):
     :mod:`helion_backend.layers.quantize` layers of the member family without a bias, on rows quantized before the
     call by the layer's own program, each output rescaled by its own steps (the layer's); checked against
     the unfused quantized computation and timed against what torch.compile runs without the fusion: one
     quantized GEMM per projection (the layers' ``forward_quantized``: cuBLAS), then for the gated families
     Inductor's ``silu(gate) * up``."""
-    glu = key.kernel in GLU_FAMILIES
+    glu = _gated(key.kernel)
     widths = (key.n, key.n) if glu else key.widths
     if not widths:
         raise TuneError(f"{key.kernel} site recorded without its outputs' widths: compile the model again")
@@ -551,13 +531,13 @@ def _quantized_sibling_problem(key: TuneKey, device: torch.device) -> Problem:
             return dispatch.unfused(x, w, steps, operands, [], act_dtype, None, up, None, None, own)
 
         fn, fn_args = unfused_glu, glu_args
-        to_table = functools.partial(glu_kernel_config, itemsize=1, normed=False)
+        to_table = functools.partial(FAMILIES[key.kernel].config_adapter, itemsize=1, normed=False)
         epilogue = steps
     else:
         def run(config: helion.Config, i: int) -> Output:
             return multi_gemm_helion(*args(i), config, kernel_family=key.kernel)
 
-        fn, fn_args, to_table, epilogue = dispatch.unfused_multi, args, multi_kernel_config, ()
+        fn, fn_args, to_table, epilogue = dispatch.unfused_multi, args, FAMILIES[key.kernel].config_adapter, ()
     def separate(group: list[torch.nn.Module], quantized_rows: tuple[torch.Tensor, ...]) -> Output:
         outs = [layer.forward_quantized(*quantized_rows, act_dtype) for layer in group]
         return (torch.nn.functional.silu(outs[0]) * outs[1]).to(act_dtype) if glu else outs

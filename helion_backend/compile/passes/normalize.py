@@ -31,7 +31,23 @@ from helion_backend.compile.recognize.quant_patterns import (
     int4_weight_dequant,
 )
 from helion_backend.compile.recognize.step import Step
-from helion_backend.vocabulary import ANCHOR_OPS, FP8_BLOCK, SUPPORTED_DTYPES, Anchor, Operand
+from helion_backend.vocabulary import (
+    ANCHOR_OPS,
+    BIAS,
+    CHANNEL_SCALE,
+    DEQUANT_FP8_BLOCK,
+    DEQUANT_INT4,
+    DEQUANT_INT8,
+    FP8_BLOCK,
+    QUANT_FP8_PER_GROUP,
+    RESIDUAL,
+    SUPPORTED_DTYPES,
+    TENSOR_SCALE,
+    TOKEN_SCALE,
+    UNPAD,
+    Anchor,
+    Operand,
+)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -110,7 +126,7 @@ def _describe(node: fx.Node) -> GemmSite | str:
     leading = _leading_steps(site, val(slices[-1]) if slices else out_val, addmm_input)
     if isinstance(leading, str):
         return leading
-    site.leading_steps = leading + ([Step("unpad", slices, transparent=True)] if slices else [])
+    site.leading_steps = leading + ([Step(UNPAD, slices, transparent=True)] if slices else [])
     _fuse_weight_dequant(site)
     _fuse_int4_dequant(site)
     _fuse_block_fp8(site)
@@ -259,7 +275,7 @@ def _scaled_mm_steps(site: GemmSite, out_val: torch.Tensor) -> list[Step] | str:
     if bias is not None:
         if operand_kind(bias, out_val, site.n) is not Operand.ROW:
             return "_scaled_mm bias is not an [N] vector"
-        steps.append(Step("bias", [node], operand=bias))
+        steps.append(Step(BIAS, [node], operand=bias))
     return steps
 
 
@@ -292,11 +308,11 @@ def _scale_step(scale: fx.Node, out_val: torch.Tensor, per_row: bool) -> str | N
         return None
     m, n = out_val.shape
     if per_row and t.dim() == 2 and same_shape(t.shape, (m, 1)):
-        return "token_scale"
+        return TOKEN_SCALE
     if not per_row and t.dim() in (1, 2) and same_shape(t.shape[-1:], (n,)) and t.numel() == n:
-        return "channel_scale"
+        return CHANNEL_SCALE
     if all(statically_known_true(d == 1) for d in t.shape):
-        return "tensor_scale"
+        return TENSOR_SCALE
     return None
 
 
@@ -312,7 +328,7 @@ def _fuse_weight_dequant(site: GemmSite) -> None:
     if source_val is None or source_val.dtype != torch.int8 or source_val.dim() != 2:
         return
     layout = "nk" if "nk" in (inner_layout, site.weight_layout) else "kn"
-    site.fuse_prologue(Step("dequant_int8", [convert]), weight=source, weight_layout=layout)
+    site.fuse_prologue(Step(DEQUANT_INT8, [convert]), weight=source, weight_layout=layout)
 
 
 def _fuse_int4_dequant(site: GemmSite) -> None:
@@ -325,7 +341,7 @@ def _fuse_int4_dequant(site: GemmSite) -> None:
         return
     found = int4_weight_dequant(site.weight, site.dtype)
     if isinstance(found, Int4WeightDequant):
-        site.fuse_prologue(Step("dequant_int4", list(found.nodes)), weight=found.packed, weight_scale=found.scales)
+        site.fuse_prologue(Step(DEQUANT_INT4, list(found.nodes)), weight=found.packed, weight_scale=found.scales)
     elif found is not None:
         site.notes.append(f"the weight is unpacked from uint8 bytes but not as packed int4 with group scales "
                           f"(dequant_int4): {found}; the GEMM reads the weight as the graph computes it")
@@ -348,9 +364,9 @@ def _fuse_block_fp8(site: GemmSite) -> None:
 
 def _fuse_block_fp8_prologue(site: GemmSite, found: BlockFp8Operands) -> None:
     """The kernel reads the float activation (the site's dtype from now on), and the fp8 weight with its scales."""
-    site.fuse_prologue(Step("quant_fp8_per_group", list(found.activation_nodes)), x=found.x,
+    site.fuse_prologue(Step(QUANT_FP8_PER_GROUP, list(found.activation_nodes)), x=found.x,
                        quant_program=found.program, dtype=val(found.x).dtype)
-    site.fuse_prologue(Step("dequant_fp8_block", list(found.weight_nodes)), weight=found.weight,
+    site.fuse_prologue(Step(DEQUANT_FP8_BLOCK, list(found.weight_nodes)), weight=found.weight,
                        weight_scale=found.weight_scale, weight_scale_kn=found.weight_scale_kn)
 
 
@@ -371,9 +387,9 @@ def _addmm_input_step(node: fx.Node, bias: fx.Node, out_val: torch.Tensor, n: in
         return "addmm with beta or alpha other than 1"
     kind = operand_kind(bias, out_val, n)
     if kind is Operand.ROW:
-        return Step("bias", [node], operand=bias)
+        return Step(BIAS, [node], operand=bias)
     if kind is Operand.FULL:
-        return Step("residual", [node], operand=bias)
+        return Step(RESIDUAL, [node], operand=bias)
     return f"addmm input of shape {tuple(val(bias).shape) if val(bias) is not None else '?'} is neither [N] nor [M, N]"
 
 

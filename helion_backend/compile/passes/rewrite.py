@@ -11,9 +11,8 @@ import torch.fx as fx
 from helion_backend.compile.context import GemmSite, PassContext, SiteGroup
 from helion_backend.compile.graph_edit import fused_op, insert_call
 from helion_backend.compile.graph_pass import GraphPass
-from helion_backend.compile.recognize.patterns import val
-from helion_backend.report import site_id
-from helion_backend.semantics.epilogue import format_epilogues, format_steps
+from helion_backend.compile.site_spec import spec_of
+from helion_backend.semantics.gemm_spec import GemmSpec
 from helion_backend.vocabulary import RESHAPE
 
 if TYPE_CHECKING:
@@ -37,69 +36,47 @@ class RewritePass(GraphPass):
             if group is not None and site is not group.sites[0]:
                 continue  # rewritten with the first of its group
             sites = group.sites if group is not None else [site]
-            name = site_id(ctx.report.graph, site.anchor.name)
             try:
+                spec = spec_of(site, ctx.report.graph, ctx.options.config_dir)
                 if group is not None:
-                    _replace_group(ctx.graph, group, ctx.options.config_dir, name, replaced)
+                    _replace_group(ctx.graph, group, spec, replaced)
                 else:
-                    _replace(ctx.graph, site, ctx.options.config_dir, name, replaced)
+                    _replace(ctx.graph, site, spec, replaced)
             except Exception as e:  # leave the sites to Inductor: nodes inserted before the failure are dead
                 for s in sites:
                     s.runs_on, s.reason, s.fused = "inductor", f"rewrite failed ({type(e).__name__}: {e})", None
 
 
-def _replace(graph: fx.Graph, site: GemmSite, config_dir: str, name: str, replaced: dict[fx.Node, fx.Node]) -> None:
-    steps = site.steps
-    norm = site.rms_norm
+def _replace(graph: fx.Graph, site: GemmSite, spec: GemmSpec, replaced: dict[fx.Node, fx.Node]) -> None:
     with graph.inserting_before(site.output):
         x = _activation(graph, site, replaced)
         args = fx.node.map_arg((
             x,
             site.weight,
-            site.weight_layout,
             _weight_scale(graph, site, replaced),
             site.up_weight,
-            site.up_layout,
-            format_steps([s.name for s in site.prologue]),
-            site.quant_program.to_json() if site.quant_program is not None else "",
-            # The epilogue's operands and scalars, then the up projection's own steps' (a quantized gated MLP).
-            [s.operand for s in [*steps, *site.up_steps] if s.operand is not None],
-            [s.scalar for s in [*steps, *site.up_steps] if s.scalar is not None],
-            format_steps([s.name for s in steps]),
-            val(site.output).dtype,
-            site.rule.kernel,
-            site.max_helion_m,
-            config_dir,
-            name,
-            *_norm_args(norm),
-            *([format_steps([s.name for s in site.up_steps])] if site.up_steps else []),
+            # The epilogue's operands, then the up projection's own steps' (a quantized gated MLP).
+            [s.operand for s in [*site.steps, *site.up_steps] if s.operand is not None],
+            _norm_weight(site.rms_norm),
+            spec.to_key(),
         ), lambda node: replaced.get(node, node))
         fused = insert_call(graph, fused_op("gemm_epilogue"), args, origin=site.anchor)
         _take_output(graph, site, fused, replaced)
 
 
-def _replace_group(graph: fx.Graph, group: SiteGroup, config_dir: str, name: str,
-                   replaced: dict[fx.Node, fx.Node]) -> None:
+def _replace_group(graph: fx.Graph, group: SiteGroup, spec: GemmSpec, replaced: dict[fx.Node, fx.Node]) -> None:
     """One ``multi_gemm_epilogue`` before the first of the group's results (shared_input checked that
     every input comes earlier), and each result read from it."""
     sites, leader = group.sites, group.sites[0]
-    norm = leader.rms_norm
     first_result = next(node for node in graph.nodes if any(node is s.output for s in sites))
     with graph.inserting_before(first_result):
         x = _activation(graph, leader, replaced)
         args = fx.node.map_arg((
             x,
             [s.weight for s in sites],
-            ",".join(s.weight_layout for s in sites),
             [step.operand for s in sites for step in s.steps if step.operand is not None],
-            [step.scalar for s in sites for step in s.steps if step.scalar is not None],
-            format_epilogues([[step.name for step in s.steps] for s in sites]),
-            val(leader.output).dtype,
-            leader.max_helion_m,
-            config_dir,
-            name,
-            *_norm_args(norm),
-            group.family,
+            _norm_weight(leader.rms_norm),
+            spec.to_key(),
         ), lambda node: replaced.get(node, node))
         fused = insert_call(graph, fused_op("multi_gemm_epilogue"), args, origin=leader.anchor)
         for i, site in enumerate(sites):
@@ -124,9 +101,9 @@ def _weight_scale(graph: fx.Graph, site: GemmSite, replaced: dict[fx.Node, fx.No
     return insert_call(graph, aten.permute.default, (replaced.get(scale, scale), [1, 0]), origin=site.anchor)
 
 
-def _norm_args(norm: RmsNormMatch | None) -> tuple[fx.Node | None, str]:
-    """The ops' ``norm_weight`` and ``norm_spec`` for a fused RMSNorm (None and "" without one)."""
-    return (norm.weight, norm.spec.to_json()) if norm is not None else (None, "")
+def _norm_weight(norm: RmsNormMatch | None) -> fx.Node | None:
+    """The ops' ``norm_weight``: a fused RMSNorm's [K] weight (None without one)."""
+    return norm.weight if norm is not None else None
 
 
 def _take_output(graph: fx.Graph, site: GemmSite, result: fx.Node, replaced: dict[fx.Node, fx.Node]) -> None:

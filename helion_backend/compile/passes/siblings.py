@@ -44,7 +44,6 @@ from helion_backend.vocabulary import (
     SUPPORTED_DTYPES,
     TENSOR_SCALE,
     TOKEN_SCALE,
-    UNPAD,
     UP_MUL,
     dtype_name,
 )
