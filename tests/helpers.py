@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Collection, Iterable
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -98,3 +99,11 @@ class OpCalls:
     @property
     def count(self) -> int:
         return len(self.epilogues)
+
+
+def slow_except(keep: Collection, values: Iterable) -> list:
+    """``values`` for ``pytest.mark.parametrize`` with those not in ``keep`` marked ``slow``: the default run
+    keeps a representative few, ``--runslow`` (and CI) runs them all. A tuple is one case of several arguments."""
+    return [value if value in keep else pytest.param(*(value if isinstance(value, tuple) else (value,)),
+                                                     marks=pytest.mark.slow)
+            for value in values]
