@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 from typing import Any, Callable, Collection, Iterable
 
 import pytest
@@ -107,3 +108,16 @@ def slow_except(keep: Collection, values: Iterable) -> list:
     return [value if value in keep else pytest.param(*(value if isinstance(value, tuple) else (value,)),
                                                      marks=pytest.mark.slow)
             for value in values]
+
+
+def diagonal(*dims: list) -> list:
+    """The cases of the product of ``dims`` for a ``parametrize``, all marked ``slow`` but a diagonal that takes
+    each value of each dimension at least once (case ``j`` takes each dimension's ``j``-th value, cycling): the
+    default run keeps a few cases, ``--runslow`` runs them all. A tuple value spreads over several arguments."""
+    fast = {tuple(dim[j % len(dim)] for dim in dims) for j in range(max(map(len, dims)))}
+
+    def spread(case: tuple) -> tuple:
+        return tuple(arg for value in case for arg in (value if isinstance(value, tuple) else (value,)))
+
+    return [spread(case) if case in fast else pytest.param(*spread(case), marks=pytest.mark.slow)
+            for case in itertools.product(*dims)]

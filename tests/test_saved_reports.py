@@ -7,11 +7,11 @@ import os
 import time
 
 import torch
+from helpers import CPU_REWRITE, compile_run
 
 import helion_backend
 from helion_backend.backend import prune_saved_reports
 from helion_backend.options import SAVED_REPORTS_MAX_AGE_DAYS
-from helpers import CPU_REWRITE, compile_run
 
 
 def _aged(path, days: float):

@@ -23,8 +23,16 @@ from .. import __version__, dispatch, logs
 from ..graph_drawing import GraphSketch, Picture, draw
 from ..manifest import ManifestSite, record_sites
 from ..options import BackendOptions
-from ..report import (AttentionReport, GraphReport, SiteReport, UnfusedGemm, dim_for_report, new_graph_name, record,
-                      write_dump)
+from ..report import (
+    AttentionReport,
+    GraphReport,
+    SiteReport,
+    UnfusedGemm,
+    dim_for_report,
+    new_graph_name,
+    record,
+    write_dump,
+)
 from ..rules import builtin_rule_files, load_rules, rules_digest
 from ..vocabulary import dtype_name
 from . import ANALYSIS, TRANSFORMS
