@@ -146,6 +146,7 @@ print(json.dumps({"err": err, "hits": counters["inductor"]["fxgraph_cache_hit"] 
 """
 
 
+@pytest.mark.slow
 def test_fx_graph_cache_second_process_is_correct_and_rule_change_misses(tmp_path):
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
            "HELION_INDUCTOR_CACHE_DIR": str(tmp_path / "backend")}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-import itertools
 import json
 import logging
 import math
@@ -43,6 +42,7 @@ from helion_backend.report import (
     SiteReport,
     UnfusedGemm,
     dim_for_report,
+    new_graph_name,
     record,
     write_dump,
 )
@@ -50,7 +50,6 @@ from helion_backend.version import __version__
 from helion_backend.vocabulary import dtype_name
 
 log = logging.getLogger(__name__)
-_graph_ids = itertools.count()
 
 
 class HelionPassManager(CustomGraphPass):
@@ -90,7 +89,7 @@ class HelionPassManager(CustomGraphPass):
         return self._uuid
 
     def __call__(self, graph: fx.Graph) -> None:
-        report = GraphReport(graph=f"graph_{next(_graph_ids):03d}", kind=self.graph_kind)
+        report = GraphReport(graph=new_graph_name(), kind=self.graph_kind)
         dump_dirs = self._dump_dirs(report)
         graph_text = bool(dump_dirs) or logs.wants_graph_text()
         before = _readable(graph) if graph_text else ""
