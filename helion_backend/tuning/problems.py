@@ -40,7 +40,6 @@ from typing import Any
 import helion
 import torch
 
-from helion_backend.compile.trace import trace_sites
 from helion_backend.kernels import FAMILIES, configs, run_kernel
 from helion_backend.kernels.gemm import (
     Launch,
@@ -387,6 +386,10 @@ def _quantized_layer(family: str, k: int, n: int, bias: bool, device: torch.devi
 
 
 def _trace(layer: torch.nn.Module, x: torch.Tensor, fuse_activation_quant: bool) -> Any:
+    # The compile side (its passes, rules and networkx) loads only where a problem traces a layer: tuning's
+    # worker processes import this module.
+    from helion_backend.compile.trace import trace_sites
+
     (site,) = trace_sites(layer, x, fuse_activation_quant=fuse_activation_quant)
     return site
 
