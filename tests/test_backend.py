@@ -250,6 +250,7 @@ def test_debug_dir_dumps(tmp_path):
     assert "gemm_activation" in (graph_dir / "summary.txt").read_text()
 
 
+@pytest.mark.slow
 def test_debug_env_vars(tmp_path):
     result = run_python(
         """
