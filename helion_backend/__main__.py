@@ -1,5 +1,5 @@
 """Command line: ``python -m helion_backend check-rules PATH...``, ``... tune MANIFEST``, ``... bisect SCRIPT``
-and ``... explain SCRIPT``."""
+and ``... explain SCRIPT|MODULE:FUNCTION``."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             epilog=bisect_sites.EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     bisect_sites.add_arguments(bisect)
     bisect.set_defaults(func=bisect_sites.run_command)
-    explained = sub.add_parser("explain", help="run a script's compiles with dumps on and explain what fused and "
+    explained = sub.add_parser("explain", help="run a script's (or a function's) compiles with dumps on and explain what fused and "
                                                "what did not", description=explain.DESCRIPTION)
     explain.add_arguments(explained)
     explained.set_defaults(func=explain.run_command)

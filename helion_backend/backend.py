@@ -67,8 +67,8 @@ def _op_sites(state: dict[str, Any]) -> list[str]:
     caches): every site not left to Inductor, and every attention node sent to the decode kernel."""
     names = []
     for report, _ in state["graphs"]:
-        names += [reports.site_id(report.graph, s.anchor) for s in report.sites if s.runs_on != "inductor"]
-        names += [reports.site_id(report.graph, a.node) for a in report.attention if a.runs_on != "inductor"]
+        names += [reports.site_id(report.op_graph, s.anchor) for s in report.sites if s.runs_on != "inductor"]
+        names += [reports.site_id(report.op_graph, a.node) for a in report.attention if a.runs_on != "inductor"]
     return names
 
 
@@ -213,7 +213,7 @@ def _saved_state(manager: HelionPassManager, gm: torch.fx.GraphModule,
                  "without the dumps debug_dir asks for")
         return None
     for (report, _), dump in zip(state["graphs"], state["dumps"]):
-        report.from_cache = True
+        report.served_from_cache()
         report.picture = None  # the pipeline drew nothing this time: the picture is in the filling compile's dumps
         reports.record(report)
         if opts.debug_dir:

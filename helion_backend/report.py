@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from dataclasses import asdict, dataclass, field
@@ -12,6 +13,12 @@ RUNS_ON = ("helion", "reference", "inductor")  # where a site runs, in the order
 
 _lock = threading.Lock()
 _reports: list[GraphReport] = []
+_graph_ids = itertools.count()
+
+
+def new_graph_name() -> str:
+    """A graph name no other report of this process has: ``graph_000``, ``graph_001``, ..."""
+    return f"graph_{next(_graph_ids):03d}"
 
 
 @dataclass
@@ -109,6 +116,9 @@ class GraphReport:
     graph: str
     kind: str = "unknown"  # "inference" | "forward" | "backward"
     from_cache: bool = False  # True when Inductor's cache served the graph and this report was saved
+    # Served from the cache: the graph's name in the compile that rewrote it, which its fused ops carry in their
+    # site ids (``graph`` is a fresh name, unique in this process).
+    cached_from: str | None = None
     error: str | None = None  # an analysis pass failed: nothing in the graph was rewritten
     sites: list[SiteReport] = field(default_factory=list)
     unfused_gemms: list[UnfusedGemm] = field(default_factory=list)
@@ -127,6 +137,7 @@ class GraphReport:
             graph=data["graph"],
             kind=data.get("kind", "unknown"),
             from_cache=data.get("from_cache", False),
+            cached_from=data.get("cached_from"),
             error=data.get("error"),
             sites=[SiteReport(**s) for s in data.get("sites", [])],
             unfused_gemms=[UnfusedGemm(**u) for u in data.get("unfused_gemms", [])],
@@ -135,6 +146,17 @@ class GraphReport:
             picture=data.get("picture"),
         )
 
+    @property
+    def op_graph(self) -> str:
+        """The graph name in the site ids of this graph's fused ops (:func:`site_id`)."""
+        return self.cached_from or self.graph
+
+    def served_from_cache(self) -> None:
+        """Mark this saved report as the one of a graph Inductor's cache served: a fresh name, the old one kept."""
+        self.from_cache = True
+        self.cached_from = self.op_graph
+        self.graph = new_graph_name()
+
     def runs_on_counts(self) -> dict[str, int]:
         """How many matched sites run where (helion / reference / inductor), in that order, zeros left out."""
         counts = {place: sum(s.runs_on == place for s in self.sites) for place in RUNS_ON}
@@ -142,7 +164,7 @@ class GraphReport:
 
     def headline(self) -> str:
         where = ", ".join(f"{count} {place}" for place, count in self.runs_on_counts().items())
-        return (f"graph {self.graph} ({self.kind}{', from FX graph cache' if self.from_cache else ''}): "
+        return (f"graph {self.graph} ({self.kind}{f', from FX graph cache: {self.cached_from}' if self.from_cache else ''}): "
                 f"{len(self.sites)} site(s){f' ({where})' if where else ''}, "
                 f"{len(self.unfused_gemms)} unfused GEMM(s)")
 
@@ -218,7 +240,7 @@ def _record_event(site: str, events: str, event: str) -> None:
 def _entries(site: str) -> list[SiteReport | AttentionReport]:
     """The report entries that ``site`` names (the caller holds the lock)."""
     graph, _, anchor = site.partition(":")
-    return [entry for report in _reports if report.graph == graph for entry in [*report.sites, *report.attention]
+    return [entry for report in _reports if report.op_graph == graph for entry in [*report.sites, *report.attention]
             if (entry.anchor if isinstance(entry, SiteReport) else entry.node) == anchor]
 
 

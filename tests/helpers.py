@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+import itertools
+from typing import Any, Callable, Collection, Iterable
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -98,3 +100,28 @@ class OpCalls:
     @property
     def count(self) -> int:
         return len(self.epilogues)
+
+
+def slow_except(keep: Collection, values: Iterable) -> list:
+    """``values`` for ``pytest.mark.parametrize`` with those not in ``keep`` marked ``slow``: the default run
+    keeps a representative few, ``--runslow`` (and CI) runs them all. A tuple is one case of several arguments."""
+    return [value if value in keep else pytest.param(*(value if isinstance(value, tuple) else (value,)),
+                                                     marks=pytest.mark.slow)
+            for value in values]
+
+
+class Spread(list):
+    """A dimension of :func:`diagonal` over several arguments: each of its values is a tuple of them."""
+
+
+def diagonal(*dims: list) -> list:
+    """The cases of the product of ``dims`` for a ``parametrize``, all marked ``slow`` but a diagonal that takes
+    each value of each dimension at least once (case ``j`` takes each dimension's ``j``-th value, cycling): the
+    default run keeps a few cases, ``--runslow`` runs them all."""
+    fast = {tuple(dim[j % len(dim)] for dim in dims) for j in range(max(map(len, dims)))}
+
+    def args(case: tuple) -> tuple:
+        return tuple(arg for dim, value in zip(dims, case) for arg in (value if isinstance(dim, Spread) else (value,)))
+
+    return [args(case) if case in fast else pytest.param(*args(case), marks=pytest.mark.slow)
+            for case in itertools.product(*dims)]

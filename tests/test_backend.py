@@ -145,6 +145,7 @@ print(json.dumps({"err": err, "hits": counters["inductor"]["fxgraph_cache_hit"] 
 """
 
 
+@pytest.mark.slow
 def test_fx_graph_cache_second_process_is_correct_and_rule_change_misses(tmp_path):
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
            "HELION_INDUCTOR_CACHE_DIR": str(tmp_path / "backend")}
@@ -249,6 +250,7 @@ def test_debug_dir_dumps(tmp_path):
     assert "gemm_activation" in (graph_dir / "summary.txt").read_text()
 
 
+@pytest.mark.slow
 def test_debug_env_vars(tmp_path):
     result = run_python(
         """

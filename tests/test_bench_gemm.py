@@ -82,6 +82,7 @@ def smoke_run(tmp_path_factory) -> dict:
     return {"json": tmp / "out" / "cpu_quant.json", "markdown": (tmp / "out" / "cpu_quant.md").read_text()}
 
 
+@pytest.mark.slow
 def test_smoke_run_measures_int4_and_block_fp8_with_their_prologues(smoke_run):
     data = json.loads(smoke_run["json"].read_text())
     plan = bench_gemm.PRESETS["smoke"]
@@ -115,6 +116,7 @@ def _rerun(data: dict, command: str, variants: dict[str, float], quant: str | No
     return rerun
 
 
+@pytest.mark.slow
 def test_merge_adds_formats_and_variants_to_a_result_file(smoke_run, tmp_path):
     """A run of some formats merged into a file keeps the file's other formats; a run of some variants
     replaces those variants only; a merged file merged again still lists every run it came from."""
@@ -145,6 +147,7 @@ def test_merge_adds_formats_and_variants_to_a_result_file(smoke_run, tmp_path):
     assert "| fp8_dynamic | " in merged_path.with_suffix(".md").read_text()
 
 
+@pytest.mark.slow
 def test_merge_refuses_results_of_another_suite(smoke_run, tmp_path):
     other = json.loads(smoke_run["json"].read_text())
     other["metadata"]["quants"] = []

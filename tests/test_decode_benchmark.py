@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,6 +76,7 @@ def test_static_cache_decode_matches_full_sequence_recomputation():
     assert not torch.isclose(after[:, :, :seq], before[:, :, :seq]).any()
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_every_row_within_tolerance(tmp_path):
     env = {**os.environ,
            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 SURROGATES = """
 import importlib
 from helion_backend.kernels.helion_import import SURROGATE_ESTIMATORS
@@ -34,6 +36,7 @@ def test_kernels_import_helion_without_sklearn_and_searches_still_build_estimato
     assert state["sklearn_after_build"] is True
 
 
+@pytest.mark.slow
 def test_sklearn_imported_first_leaves_helion_import_alone():
     state = _run("import sklearn.ensemble")
     assert state["sklearn_after_import"] is True
@@ -41,6 +44,7 @@ def test_sklearn_imported_first_leaves_helion_import_alone():
     assert all(module.startswith("sklearn.ensemble") for module in state["estimator_modules"].values()), state
 
 
+@pytest.mark.slow
 def test_helion_imported_first_is_not_imported_again():
     state = _run("import helion")
     assert state["sklearn_after_import"] is True  # Helion's own import brought it

@@ -4,7 +4,7 @@ and the report shows every projection of every layer as a fused site."""
 import helpers
 import pytest
 import torch
-from helpers import CPU_REWRITE, QUANT_IN_KERNEL
+from helpers import CPU_REWRITE, QUANT_IN_KERNEL, slow_except
 
 import helion_backend
 
@@ -38,7 +38,7 @@ EXPECTED_SITES = {"llama": 6 * LAYERS + 1, "qwen3": 6 * LAYERS + 1, "mistral": 6
 QUANTIZED_SITES = 7 * LAYERS + 1
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED_SITES))
+@pytest.mark.parametrize("name", slow_except({"llama"}, sorted(EXPECTED_SITES)))
 def test_decoder_matches_eager_and_fuses_every_projection(name):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config(name)).eval()
@@ -63,6 +63,7 @@ def test_decoder_matches_eager_and_fuses_every_projection(name):
             [r.summary() for r in helion_backend.get_reports()]
 
 
+@pytest.mark.slow  # the zoo's decode case keeps a static-cache step in the default run
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_generate_with_a_static_cache_matches_eager(name):
     """Greedy ``generate`` with the static cache (prefill, then one-token decode steps of M = batch):
@@ -82,8 +83,10 @@ def test_generate_with_a_static_cache_matches_eager(name):
 
 
 @pytest.mark.parametrize("fmt, options", [
-    ("fp8_dynamic", CPU_REWRITE), ("fp8_dynamic", QUANT_IN_KERNEL), ("int8_dynamic", CPU_REWRITE),
-    ("int8_dynamic", QUANT_IN_KERNEL), ("int8_weight_only", CPU_REWRITE),
+    ("fp8_dynamic", CPU_REWRITE), pytest.param("fp8_dynamic", QUANT_IN_KERNEL, marks=pytest.mark.slow),
+    pytest.param("int8_dynamic", CPU_REWRITE, marks=pytest.mark.slow),
+    pytest.param("int8_dynamic", QUANT_IN_KERNEL, marks=pytest.mark.slow),
+    pytest.param("int8_weight_only", CPU_REWRITE, marks=pytest.mark.slow),
 ], ids=["fp8_dynamic", "fp8_dynamic-kernel_quant", "int8_dynamic", "int8_dynamic-kernel_quant", "int8_weight_only"])
 def test_quantized_decoder_fuses_every_projection(fmt, options):
     """A Qwen3 decoder quantized with the project's helper: every linear (LM head included) is a quantized
@@ -118,7 +121,7 @@ def test_quantized_decoder_fuses_every_projection(fmt, options):
     assert left == [not in_kernel] * sites_expected, summary
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("name", slow_except({"llama"}, ["llama", "qwen3"]))
 def test_gated_mlp_rules_fuse_gate_and_up_in_every_layer(name):
     """Each layer's gate and up projections are one site (``rules/gated_mlp.toml``), whose kernel runs the
     post-attention norm."""

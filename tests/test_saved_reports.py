@@ -1,4 +1,5 @@
-"""``<cache_dir>/reports`` stays bounded: the newest reports by use are kept, old ones are deleted."""
+"""``<cache_dir>/reports`` stays bounded: the newest reports by use are kept, old ones are deleted; a report served
+from it names its graph afresh."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ import os
 import time
 
 import torch
+from helpers import CPU_REWRITE, compile_run
 
+import helion_backend
 from helion_backend.backend import prune_saved_reports
 from helion_backend.options import SAVED_REPORTS_MAX_AGE_DAYS
-from helpers import CPU_REWRITE, compile_run
 
 
 def _aged(path, days: float):
@@ -36,3 +38,27 @@ def test_a_compile_prunes_the_saved_reports(tmp_path, no_compile_caches):
     torch.testing.assert_close(out, torch.relu(x @ w))
     assert not any(p.exists() for p in old) and recent.exists()
     assert len(list(reports.glob("*.json"))) == 2  # the recent one and this compile's
+
+
+def test_a_graph_served_from_the_fx_graph_cache_gets_a_name_of_its_own(tmp_path):
+    """The served report would otherwise keep the name its graph had in the compile that filled the cache, which
+    another graph of this process can have too (two ``graph_040`` in one report list, one dump folder)."""
+    from torch._dynamo.utils import counters
+
+    x, w = torch.randn(4, 16), torch.randn(16, 8)
+    fn = lambda x, w: torch.relu(x @ w)  # noqa: E731
+    options = {**CPU_REWRITE, "cache_dir": str(tmp_path / "cache"), "debug_dir": str(tmp_path / "dumps")}
+    compile_run(fn, x, w, options=options)
+    (rewritten,) = helion_backend.get_reports()
+    torch._dynamo.reset()
+    counters.clear()
+    helion_backend.clear_reports()
+    out, (served,) = compile_run(fn, x, w, options=options)
+    assert counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"] >= 1
+    torch.testing.assert_close(out, torch.relu(x @ w))
+    assert served.from_cache and not rewritten.from_cache
+    assert served.graph != rewritten.graph and served.cached_from == rewritten.graph
+    assert served.headline().startswith(f"graph {served.graph} (inference, from FX graph cache: {rewritten.graph})")
+    # Its fused op still names the site by the filling compile's graph: run-time events find the served report.
+    assert helion_backend.report.find_site(f"{rewritten.graph}:{served.sites[0].anchor}") is served.sites[0]
+    assert sorted(p.name for p in (tmp_path / "dumps").iterdir()) == sorted([rewritten.graph, served.graph])

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import itertools
 import json
 import logging
 import math
@@ -24,7 +23,16 @@ from .. import __version__, dispatch, logs
 from ..graph_drawing import GraphSketch, Picture, draw
 from ..manifest import ManifestSite, record_sites
 from ..options import BackendOptions
-from ..report import AttentionReport, GraphReport, SiteReport, UnfusedGemm, dim_for_report, record, write_dump
+from ..report import (
+    AttentionReport,
+    GraphReport,
+    SiteReport,
+    UnfusedGemm,
+    dim_for_report,
+    new_graph_name,
+    record,
+    write_dump,
+)
 from ..rules import builtin_rule_files, load_rules, rules_digest
 from ..vocabulary import dtype_name
 from . import ANALYSIS, TRANSFORMS
@@ -32,7 +40,6 @@ from .context import AttentionSite, GemmSite, PassContext, SiteGroup, tf32_matmu
 from .provenance import model_location
 
 log = logging.getLogger(__name__)
-_graph_ids = itertools.count()
 
 
 def source_digest(root: Path) -> str:
@@ -83,7 +90,7 @@ class HelionPassManager(CustomGraphPass):
         return self._uuid
 
     def __call__(self, graph: fx.Graph) -> None:
-        report = GraphReport(graph=f"graph_{next(_graph_ids):03d}", kind=self.graph_kind)
+        report = GraphReport(graph=new_graph_name(), kind=self.graph_kind)
         dump_dirs = self._dump_dirs(report)
         graph_text = bool(dump_dirs) or logs.wants_graph_text()
         before = _readable(graph) if graph_text else ""
