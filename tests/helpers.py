@@ -106,14 +106,18 @@ def slow_except(keep: Collection, values: Iterable) -> list:
             for value in values]
 
 
+class Spread(list):
+    """A dimension of :func:`diagonal` over several arguments: each of its values is a tuple of them."""
+
+
 def diagonal(*dims: list) -> list:
     """The cases of the product of ``dims`` for a ``parametrize``, all marked ``slow`` but a diagonal that takes
     each value of each dimension at least once (case ``j`` takes each dimension's ``j``-th value, cycling): the
-    default run keeps a few cases, ``--runslow`` runs them all. A tuple value spreads over several arguments."""
+    default run keeps a few cases, ``--runslow`` runs them all."""
     fast = {tuple(dim[j % len(dim)] for dim in dims) for j in range(max(map(len, dims)))}
 
-    def spread(case: tuple) -> tuple:
-        return tuple(arg for value in case for arg in (value if isinstance(value, tuple) else (value,)))
+    def args(case: tuple) -> tuple:
+        return tuple(arg for dim, value in zip(dims, case) for arg in (value if isinstance(dim, Spread) else (value,)))
 
-    return [spread(case) if case in fast else pytest.param(*spread(case), marks=pytest.mark.slow)
+    return [args(case) if case in fast else pytest.param(*args(case), marks=pytest.mark.slow)
             for case in itertools.product(*dims)]

@@ -268,6 +268,7 @@ def test_debug_dir_dumps(tmp_path):
     assert rewrite_diff.startswith("--- before") and "+" in rewrite_diff and "gemm_epilogue" in rewrite_diff
 
 
+@pytest.mark.slow
 def test_debug_env_vars(tmp_path):
     result = run_python(
         """

@@ -219,6 +219,7 @@ def test_the_op_returns_the_strides_of_the_node_it_replaces():
     assert rel_err(out, expected) <= helpers.TOLERANCE[torch.float32]
 
 
+@pytest.mark.slow
 def test_the_decode_benchmarks_model_runs_every_layers_attention_as_the_op():
     """The benchmark's decoder (benchmarks/decode.py): one op per layer, the logits of eager at every step."""
     from test_decode_benchmark import TINY, decode

@@ -63,7 +63,8 @@ def test_decoder_matches_eager_and_fuses_every_projection(name):
             [r.summary() for r in helion_backend.get_reports()]
 
 
-@pytest.mark.parametrize("name", slow_except({"qwen3"}, ["llama", "qwen3"]))
+@pytest.mark.slow  # the zoo's decode case keeps a static-cache step in the default run
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_generate_with_a_static_cache_matches_eager(name):
     """Greedy ``generate`` with the static cache (prefill, then one-token decode steps of M = batch):
     the compiled model picks the same tokens, and its decode graph fuses every projection at M = 2."""
@@ -83,7 +84,8 @@ def test_generate_with_a_static_cache_matches_eager(name):
 
 @pytest.mark.parametrize("fmt, options", [
     ("fp8_dynamic", CPU_REWRITE), pytest.param("fp8_dynamic", QUANT_IN_KERNEL, marks=pytest.mark.slow),
-    pytest.param("int8_dynamic", CPU_REWRITE, marks=pytest.mark.slow), ("int8_dynamic", QUANT_IN_KERNEL),
+    pytest.param("int8_dynamic", CPU_REWRITE, marks=pytest.mark.slow),
+    pytest.param("int8_dynamic", QUANT_IN_KERNEL, marks=pytest.mark.slow),
     pytest.param("int8_weight_only", CPU_REWRITE, marks=pytest.mark.slow),
 ], ids=["fp8_dynamic", "fp8_dynamic-kernel_quant", "int8_dynamic", "int8_dynamic-kernel_quant", "int8_weight_only"])
 def test_quantized_decoder_fuses_every_projection(fmt, options):

@@ -22,7 +22,7 @@ pytest.importorskip("helion")
 import helion  # noqa: E402
 import triton.language as tl  # noqa: E402
 from helion.runtime.kernel import BoundKernel  # noqa: E402
-from helpers import diagonal, slow_except  # noqa: E402
+from helpers import Spread, diagonal, slow_except  # noqa: E402
 from triton.language.extra import libdevice  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
@@ -133,7 +133,7 @@ def test_shapes_layouts_and_split_k(m, dtype, layout, split_k):
 
 
 @pytest.mark.parametrize("m, dtype, layout, block_n", diagonal(
-    [1, 3], [(torch.float32, "nk"), (torch.bfloat16, "nk"), (torch.bfloat16, "kn")], [1, 16]))
+    [1, 3], Spread([(torch.float32, "nk"), (torch.bfloat16, "nk"), (torch.bfloat16, "kn")]), [1, 16]))
 def test_gemv_form_matches_float64(m, dtype, layout, block_n):
     """``gemv`` (``gemv_kernel``): products summed over K after the loop, N tiles down to one column, partial
     K and N tiles. A linear epilogue, so that no error is squashed."""
@@ -519,7 +519,7 @@ NORM_ROWS = [1, 5]
 
 @pytest.mark.parametrize("dtype, spelling, gemv, split_k, m", diagonal(
     [torch.float32, torch.bfloat16],
-    [("hf", False, 1), ("hf", False, 2), ("nn_rmsnorm", False, 1), ("nn_rmsnorm", False, 2), ("hf", True, 1)],
+    Spread([("hf", False, 1), ("hf", False, 2), ("nn_rmsnorm", False, 1), ("nn_rmsnorm", False, 2), ("hf", True, 1)]),
     NORM_ROWS))
 def test_rmsnorm_prologue_kernel_matches_the_unfused_graph(dtype, split_k, spelling, m, gemv):
     """Rows normalized over all of K (several partial K blocks, split or not), then multiplied (by a dot, or
@@ -556,7 +556,7 @@ MULTI_EPILOGUES = [("bias", "relu"), ("scale",), ("residual", "scale", "sigmoid"
 
 
 @pytest.mark.parametrize("dtype, outputs, norm, m", diagonal(
-    [torch.float32, torch.bfloat16], [2, 3], [(False, 5), (True, 5), (True, 1)]))
+    [torch.float32, torch.bfloat16], [2, 3], Spread([(False, 5), (True, 5), (True, 1)])))
 def test_multi_gemm_kernel_runs_each_output_with_its_own_epilogue(dtype, outputs, norm, m):
     """Every output against float64, each with its own width, layout, operands and scalars (read from the
     shared lists at its own offsets); with a norm, the rows normalized in the same pass for all of them."""
@@ -1000,7 +1000,7 @@ def test_quantized_sibling_kernels_refuse_mismatched_operands():
 
 
 @pytest.mark.parametrize("m, k, n, dtype", diagonal(
-    [(1, 64, 7), (14, 64, 1), (5, 3, 6), (3, 2, 1)], [torch.float32, torch.bfloat16]))
+    Spread([(1, 64, 7), (14, 64, 1), (5, 3, 6), (3, 2, 1)]), [torch.float32, torch.bfloat16]))
 def test_tiny_and_size_one_dimensions_match_float64(m, k, n, dtype):
     out, ref = run(m, k, n, dtype, "kn", ("scale",), split_k=1)
     assert rel_err(out, ref) < TOLERANCE[dtype]

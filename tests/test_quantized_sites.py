@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import CPU_REWRITE, QUANT_IN_KERNEL, compile_run, sites, sqnr_db
+from helpers import CPU_REWRITE, QUANT_IN_KERNEL, Spread, compile_run, diagonal, sites, slow_except, sqnr_db
 
 import helion_backend
 from helion_backend.compile.rules import RuleError, load_rule_file
@@ -64,9 +64,8 @@ class Block(nn.Module):
         return F.gelu(self.proj(x), approximate="tanh") + residual
 
 
-@pytest.mark.parametrize("lead", [(5,), (2, 3)], ids=["2d", "3d"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fmt, fused", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("fmt, fused, dtype, lead", diagonal(Spread(FORMATS), [torch.float32, torch.bfloat16],
+                                                            [(5,), (2, 3)]))
 def test_library_forms_fuse_with_their_prologue_and_match_eager(fmt, fused, dtype, lead):
     torch.manual_seed(0)
     model = quantize(Block().to(dtype).eval(), fmt)
@@ -286,6 +285,7 @@ def test_zero_rows_saturation_and_nan_behave_as_the_unfused_graph(fmt, fused):
 # Generated variants of per-token quantization, as different libraries and versions write it.
 
 PROGRAMS = int(os.environ.get("HELION_INDUCTOR_QUANT_FUZZ_PROGRAMS", "60"))
+DEFAULT_PROGRAMS = 8  # in the default run; the others are marked slow (CI and --runslow run them)
 
 
 def quantization_variant(rng: random.Random, qdtype: torch.dtype):
@@ -361,7 +361,7 @@ def generated_program(seed: int):
     return fn, (x, residual), describe
 
 
-@pytest.mark.parametrize("seed", range(PROGRAMS))
+@pytest.mark.parametrize("seed", slow_except(range(DEFAULT_PROGRAMS), range(PROGRAMS)))
 def test_generated_quantization_forms_fuse_and_match_eager(seed):
     """Each form is recognized and replayed in the kernel's prologue (the option that puts it there)."""
     fn, args, describe = generated_program(seed)
@@ -392,8 +392,7 @@ def test_rule_that_stops_before_the_rescale_cannot_take_the_prologue(tmp_path):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dynamic", [None, True], ids=["mark_dynamic", "dynamic_true"])
-@pytest.mark.parametrize("fmt, fused", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("fmt, fused, dynamic", diagonal(Spread(FORMATS), [None, True]))
 def test_dynamic_token_count(fmt, fused, dynamic):
     """A symbolic M keeps the prologue, marked (``mark_dynamic``) or everywhere (``dynamic=True``, which also
     makes Python floats the forward reads graph inputs: the layers read their fp8 bound where Dynamo keeps it
