@@ -150,7 +150,10 @@ def test_gemv_form_with_split_k_is_refused():
 
 
 @pytest.mark.parametrize("split_k", [1, pytest.param(2, marks=pytest.mark.slow)])  # split-K: in the shapes test
-@pytest.mark.parametrize("steps", [(), *((s,) for s in INTERPRETABLE_STEPS)], ids=str)
+# Every step also runs in test_shapes_layouts_and_split_k (ALL_INTERPRETABLE): a few alone by default.
+@pytest.mark.parametrize("steps", [(), *((s,) if s in {"bias", "relu", "residual"} else
+                                       pytest.param((s,), marks=pytest.mark.slow) for s in INTERPRETABLE_STEPS)],
+                         ids=str)
 def test_each_step(steps, split_k):
     out, ref = run(5, 70, 40, torch.bfloat16, "nk", steps, split_k)
     assert rel_err(out, ref) <= TOLERANCE[torch.bfloat16]

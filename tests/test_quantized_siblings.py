@@ -72,6 +72,7 @@ def test_qkv_share_a_launch_and_gate_up_one_kernel(fmt, shape, op_calls):
 
 
 @pytest.mark.parametrize("fmt", slow_except(list(FORMATS)[:1], list(FORMATS)))
+@pytest.mark.slow
 def test_fused_block_matches_the_unfused_quantized_graph_on_fresh_inputs(fmt):
     """The same compile on new random rows (never zeros), against the graph with every site alone."""
     model = block(fmt, seed=1)

@@ -307,9 +307,8 @@ class NormedMLP(nn.Module):
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
-@pytest.mark.parametrize("lead", [(5,), (2, 3)], ids=["2d", "3d"])
-@pytest.mark.parametrize("norm", [HFRMSNorm, nn_rmsnorm], ids=["hf", "nn_rmsnorm"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, norm, lead", diagonal([torch.float32, torch.bfloat16], [HFRMSNorm, nn_rmsnorm],
+                                                      [(5,), (2, 3)]))
 def test_gated_pair_fuses_the_norm_and_matches_eager(dtype, norm, lead, op_calls):
     torch.manual_seed(0)
     model = NormedMLP(norm).to(dtype).eval()
