@@ -156,7 +156,8 @@ def test_each_step(steps, split_k):
     assert rel_err(out, ref) <= TOLERANCE[torch.bfloat16]
 
 
-@pytest.mark.parametrize("k, split_k, splits", [(600, 4, 3), (1536, 2, 2), (1280, 4, 3)])
+@pytest.mark.parametrize("k, split_k, splits", [(600, 4, 3), pytest.param(1536, 2, 2, marks=pytest.mark.slow),
+                                               pytest.param(1280, 4, 3, marks=pytest.mark.slow)])
 def test_split_k_workspace_slices(k, split_k, splits):
     """Splits span whole 256-element K runs, so there may be fewer than asked; each slice is written."""
     assert gemm.num_k_splits(k, split_k) == splits
@@ -245,8 +246,7 @@ def int8_per_token(x):
 QUANT_STEPS = ("act_scale", "channel_scale", "bias", "relu")
 
 
-@pytest.mark.parametrize("prequantize", [False, True], ids=["in_kernel", "prequantize"])
-@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("split_k, prequantize", diagonal([1, 2], [False, True]))
 def test_dynamic_int8_kernel_matches_the_unfused_graph(split_k, prequantize):
     """The activation quantized in every output tile, or once by its own kernel (``prequantize``)."""
     from helion_backend.dispatch import reference
@@ -265,8 +265,7 @@ def test_dynamic_int8_kernel_matches_the_unfused_graph(split_k, prequantize):
     assert rel_err(out, ref.double()) <= 1e-5
 
 
-@pytest.mark.parametrize("m, block_m", [(5, 16), (1, 64)])
-@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("split_k, m, block_m", diagonal([1, 2], Spread([(5, 16), (1, 64)])))
 def test_int8_kernel_on_rows_quantized_before_it(split_k, m, block_m):
     """The default compile's int8 site: rows Inductor quantized, multiplied as they are in one launch (the
     shipped configs' ``prequantize`` has nothing to quantize), their [M, 1] scale applied by ``token_scale``
@@ -294,7 +293,7 @@ def test_int8_kernel_on_rows_quantized_before_it(split_k, m, block_m):
     assert rel_err(out, ref.double()) <= 1e-5
 
 
-@pytest.mark.parametrize("quantized_by", ["inductor", "program", "program_prequantize"])
+@pytest.mark.parametrize("quantized_by", slow_except({"inductor", "program_prequantize"}, ["inductor", "program", "program_prequantize"]))
 def test_int8_gemv_form_on_quantized_rows(quantized_by):
     """``gemv`` on int8: rows quantized before the call (the default compile's site), or by the site's own
     program, which the GEMV form always runs first, in its own kernel, whether or not ``prequantize`` says so."""
@@ -661,7 +660,7 @@ def attention_case(rows: int, kv_len: int, dtype: torch.dtype, mask_kind: str):
 
 
 @pytest.mark.parametrize("rows, dtype, mask_kind, split_kv", slow_except({
-    (5, torch.bfloat16, "none", 1), (5, torch.bfloat16, "bias", 4), (1, torch.float32, "bool", 4)}, [
+    (5, torch.bfloat16, "bias", 4), (1, torch.float32, "bool", 4)}, [
     *((5, torch.bfloat16, mask_kind, split_kv) for mask_kind in ("none", "bool", "bias") for split_kv in (1, 4)),
     (1, torch.float32, "bool", 4),
     (5, torch.float32, "bias", 1),
@@ -685,7 +684,7 @@ def test_decode_attention_kernel_refuses_a_one_position_cache():
         decode_attention_helion(q, k, v, None, scale=0.2)
 
 
-@pytest.mark.parametrize("rows, out_layout", [(1, "contiguous"), (3, "rows_outer")])
+@pytest.mark.parametrize("rows, out_layout", [(3, "rows_outer"), pytest.param(1, "contiguous", marks=pytest.mark.slow)])
 def test_decode_attention_kernel_grouped_query_heads(rows, out_layout):
     """6 query heads over 2 key/value heads: a key/value head's 3 query heads (x rows) are its kernel rows.
     Three rows with a per-row mask make the mask's grouped view a copy, and an output stored [B, R, H, D]
@@ -703,7 +702,7 @@ def test_decode_attention_kernel_grouped_query_heads(rows, out_layout):
     assert rel_err(got, ref) <= ATTENTION_TOLERANCE[torch.bfloat16]
 
 
-@pytest.mark.parametrize("split_kv", [1, 4])
+@pytest.mark.parametrize("split_kv", [pytest.param(1, marks=pytest.mark.slow), 4])
 def test_decode_attention_row_with_nothing_to_attend_is_zero(split_kv):
     """As PyTorch's attention (its safe softmax): zeros, not NaN, from one chunk or from several."""
     from helion_backend.kernels.attention import decode_attention_helion
@@ -740,7 +739,7 @@ def test_decode_attention_masked_positions_add_a_finite_bias(split_kv, masked_bi
 
 
 @pytest.mark.parametrize("split_kv, masked_bias",
-                         slow_except({(4, float("-inf")), (1, -65536.0)}, [(1, float("-inf")), (4, float("-inf")), (1, -65536.0)]))
+                         slow_except({(4, float("-inf"))}, [(1, float("-inf")), (4, float("-inf")), (1, -65536.0)]))
 def test_decode_attention_does_not_read_positions_no_row_keeps(split_kv, masked_bias):
     """A static cache past each sequence's length: NaN there (never written) must not reach the output, as
     it would if the kernel read those positions (a probability of 0 times NaN is NaN). With a finite fill a

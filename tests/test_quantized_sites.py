@@ -97,8 +97,7 @@ def record_fused_inputs(monkeypatch) -> list[tuple[torch.dtype, bool]]:
     return calls
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["default", "kernel_quant"])
-@pytest.mark.parametrize("fmt", PER_TOKEN)
+@pytest.mark.parametrize("fmt, fused", diagonal(list(PER_TOKEN), [False, True]))
 def test_per_token_quantization_runs_in_inductor_unless_the_option_fuses_it(fmt, fused, monkeypatch):
     """By default the fp8/int8 site reads the rows Inductor quantized (with the RMSNorm that produces them)
     and multiplies by their scale in its epilogue (``token_scale``), and the report says why; with
@@ -392,7 +391,9 @@ def test_rule_that_stops_before_the_rescale_cannot_take_the_prologue(tmp_path):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("fmt, fused, dynamic", diagonal(Spread(FORMATS), [None, True]))
+@pytest.mark.parametrize("fmt, fused, dynamic", slow_except(
+    {("fp8_dynamic", False, True), ("int8_dynamic", True, None), ("fp8_block", False, None)},
+    [(fmt, fused, dynamic) for fmt, fused in FORMATS for dynamic in (None, True)]))
 def test_dynamic_token_count(fmt, fused, dynamic):
     """A symbolic M keeps the prologue, marked (``mark_dynamic``) or everywhere (``dynamic=True``, which also
     makes Python floats the forward reads graph inputs: the layers read their fp8 bound where Dynamo keeps it
@@ -605,8 +606,8 @@ def block_fp8_float64(layer: BlockFp8Linear, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], n)
 
 
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
-@pytest.mark.parametrize("dtype, k, n", [(torch.float32, 256, 256), (torch.bfloat16, 512, 384)])
+@pytest.mark.parametrize("dtype, k, n, bias", diagonal(
+    Spread([(torch.float32, 256, 256), (torch.bfloat16, 512, 384)]), [True, False]))
 def test_block_fp8_scaled_mm_fuses_as_the_hand_written_form(dtype, k, n, bias, tmp_path):
     """Same site, family and steps as the dequantize-then-linear form; the op reads the stored block scales
     (no padding or transpose left per call); on fresh inputs it matches float64 (K = N: a transposed
@@ -636,7 +637,8 @@ def test_block_fp8_scaled_mm_fuses_as_the_hand_written_form(dtype, k, n, bias, t
         assert sqnr_db(expected, out) >= (90 if dtype == torch.float32 else 40)
 
 
-@pytest.mark.parametrize("dynamic", [None, True], ids=["mark_dynamic", "dynamic_true"])
+@pytest.mark.parametrize("dynamic", [None, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["mark_dynamic", "dynamic_true"])
 def test_block_fp8_scaled_mm_with_a_symbolic_token_count_fuses(dynamic):
     """The blockwise ``_scaled_mm`` form fuses for a symbolic M as for a static one. The token counts stay
     within the Helion limit: above it the unrewritten graph runs, whose blockwise ``_scaled_mm`` the CPU lacks."""
@@ -825,8 +827,7 @@ VLLM_SCALES = {"row_wise": ["token_scale", "channel_scale", "bias"],
                "per_tensor": ["tensor_scale", "tensor_scale", "bias"]}
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["default", "kernel_quant"])
-@pytest.mark.parametrize("kernel", sorted(VLLM_SCALES))
+@pytest.mark.parametrize("kernel, fused", diagonal(sorted(VLLM_SCALES), [False, True]))
 def test_vllm_native_fp8_forms_fuse_and_match_eager(kernel, fused):
     """Each form fuses as one fp8 site with its scales, bias, GELU and residual. The per-token quantization
     is recognized (the note by default, the prologue with fuse_activation_quant, the token scale becoming
@@ -864,7 +865,7 @@ def torchao_int8_cuda_form(x: torch.Tensor, qweight: torch.Tensor, w_scale: torc
     return y * w_scale + bias
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.slow), torch.bfloat16])
 def test_torchao_int8_cuda_form_fuses_and_matches_eager(dtype):
     """The token scale multiplies the int32 result with no cast before it, and through an expand: the same
     site as the CPU form (``token_scale`` reads the [M, 1] scale)."""

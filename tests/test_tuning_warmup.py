@@ -325,6 +325,7 @@ def test_real_workers_warm_every_key_before_the_command_times_it(manifest, tmp_p
     assert "0 failed" in err
 
 
+@pytest.mark.slow
 def test_real_workers_time_out_and_stop_at_once_on_ctrl_c(tmp_path, request):
     """A worker stuck on a key past the timeout (counted from the end of its imports) is stopped and the key
     reported; Ctrl-C while a worker is at a key terminates it rather than waiting for it."""
