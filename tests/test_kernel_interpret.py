@@ -293,7 +293,8 @@ def test_int8_kernel_on_rows_quantized_before_it(split_k, m, block_m):
     assert rel_err(out, ref.double()) <= 1e-5
 
 
-@pytest.mark.parametrize("quantized_by", slow_except({"inductor", "program_prequantize"}, ["inductor", "program", "program_prequantize"]))
+@pytest.mark.parametrize("quantized_by", slow_except({"inductor", "program_prequantize"},
+                                                  ["inductor", "program", "program_prequantize"]))
 def test_int8_gemv_form_on_quantized_rows(quantized_by):
     """``gemv`` on int8: rows quantized before the call (the default compile's site), or by the site's own
     program, which the GEMV form always runs first, in its own kernel, whether or not ``prequantize`` says so."""
@@ -392,8 +393,7 @@ def test_weight_only_int8_kernel(layout, gemv):
     assert rel_err(out, float64_reference(x, w_kn.double(), steps, [scale, bias], [])) <= 1e-5
 
 
-@pytest.mark.parametrize("layout", ["kn", "nk"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, layout", diagonal([torch.float32, torch.bfloat16], ["kn", "nk"]))
 def test_gated_kernel_computes_both_projections(dtype, layout):
     """``silu(x @ w_gate) * (x @ w_up) + residual`` from one pass over x."""
     from helion_backend.kernels.gemm import glu_gemm_helion
@@ -660,7 +660,7 @@ def attention_case(rows: int, kv_len: int, dtype: torch.dtype, mask_kind: str):
 
 
 @pytest.mark.parametrize("rows, dtype, mask_kind, split_kv", slow_except({
-    (5, torch.bfloat16, "bias", 4), (1, torch.float32, "bool", 4)}, [
+    (5, torch.bfloat16, "bias", 4)}, [
     *((5, torch.bfloat16, mask_kind, split_kv) for mask_kind in ("none", "bool", "bias") for split_kv in (1, 4)),
     (1, torch.float32, "bool", 4),
     (5, torch.float32, "bias", 1),
@@ -684,7 +684,8 @@ def test_decode_attention_kernel_refuses_a_one_position_cache():
         decode_attention_helion(q, k, v, None, scale=0.2)
 
 
-@pytest.mark.parametrize("rows, out_layout", [(3, "rows_outer"), pytest.param(1, "contiguous", marks=pytest.mark.slow)])
+@pytest.mark.slow  # grouped heads: also in the GPU tests; the other attention cases keep the kernel by default
+@pytest.mark.parametrize("rows, out_layout", [(3, "rows_outer"), (1, "contiguous")])
 def test_decode_attention_kernel_grouped_query_heads(rows, out_layout):
     """6 query heads over 2 key/value heads: a key/value head's 3 query heads (x rows) are its kernel rows.
     Three rows with a per-row mask make the mask's grouped view a copy, and an output stored [B, R, H, D]
@@ -897,7 +898,8 @@ def _damage(text: str, how: str) -> str:
     return json.dumps(entry)
 
 
-@pytest.mark.parametrize("how", ["truncated", "edited_source", "unloadable_source", "other_key"])
+@pytest.mark.parametrize("how", slow_except({"edited_source"},
+                                         ["truncated", "edited_source", "unloadable_source", "other_key"]))
 def test_a_damaged_entry_warns_binds_and_is_replaced(code_cache_dir, monkeypatch, caplog, how):
     run(*CACHE_CASE, 1)
     (path,) = code_cache_dir.iterdir()

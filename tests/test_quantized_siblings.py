@@ -176,6 +176,7 @@ def test_fuse_activation_quant_keeps_gate_and_up_apart():
     assert GLU_FP8_FAMILY not in kernels and "gemm_multi_fp8" not in kernels, kernels
 
 
+@pytest.mark.slow
 def test_dynamic_token_count_fuses_both(op_calls):
     model = block("fp8_dynamic")
     compiled = torch.compile(model, backend="helion_inductor", options=dict(CPU_REWRITE))

@@ -392,7 +392,7 @@ def test_rule_that_stops_before_the_rescale_cannot_take_the_prologue(tmp_path):
 
 
 @pytest.mark.parametrize("fmt, fused, dynamic", slow_except(
-    {("fp8_dynamic", False, True), ("int8_dynamic", True, None), ("fp8_block", False, None)},
+    {("int8_dynamic", True, None)},
     [(fmt, fused, dynamic) for fmt, fused in FORMATS for dynamic in (None, True)]))
 def test_dynamic_token_count(fmt, fused, dynamic):
     """A symbolic M keeps the prologue, marked (``mark_dynamic``) or everywhere (``dynamic=True``, which also
