@@ -16,10 +16,12 @@ Typical use on the GPU machine (one call of at most ten minutes)::
     python benchmarks/decode.py --out-dir "$OUT"                          # bf16 and fp8, batch 1, 8, 32
     python benchmarks/decode.py --formats bf16 --out-dir "$OUT"           # one format a call, then --merge
     python benchmarks/decode.py --merge a/nvidia_h200_decode.json b/nvidia_h200_decode.json
+    python benchmarks/decode.py --tp 2 --out-dir "$OUT"                   # sharded over 2 GPUs (decode_tp.py)
 
 and on a CPU, to check the script end to end (tiny model, eager and helion_inductor only)::
 
     python benchmarks/decode.py --smoke
+    python benchmarks/decode.py --smoke --tp 2                            # two gloo ranks
 
 What each row measures (one row per format, batch and variant):
 
@@ -533,15 +535,17 @@ def cudagraph_skip_messages() -> Iterator[list[str]]:
 
 
 def measure_variant(variant: str, model: Decoder, inputs: DecodeInputs, refs: References,
-                    plan: Plan, device: torch.device) -> tuple[RowResult, Callable[[], torch.Tensor] | None]:
+                    plan: Plan, device: torch.device, time_step: StepTimer | None = None,
+                    ) -> tuple[RowResult, Callable[[], torch.Tensor] | None]:
     """Compile, check and time one variant; a failure is recorded, not raised, so the run goes on. Returns
     the row and, unless it failed, its timed step, which stays compiled (for :func:`interleaved_wall_us`)
-    until the caller's :func:`release_memory`."""
+    until the caller's :func:`release_memory`. ``time_step`` replaces the one-device timing
+    (:func:`time_one_device`), e.g. by one that keeps the ranks of a tensor-parallel model together."""
     result = RowResult()
     timed = None
     with cudagraph_skip_messages() as skip_messages:
         try:
-            timed = _measure_into(result, variant, model, inputs, refs, plan, device)
+            timed = _measure_into(result, variant, model, inputs, refs, plan, device, time_step or time_one_device)
         except Exception as exc:  # any failure of a variant is a result of the benchmark
             traceback.print_exc()
             result.error = describe_error(exc)
@@ -550,7 +554,7 @@ def measure_variant(variant: str, model: Decoder, inputs: DecodeInputs, refs: Re
 
 
 def _measure_into(result: RowResult, variant: str, model: Decoder, inputs: DecodeInputs, refs: References,
-                  plan: Plan, device: torch.device) -> Callable[[], torch.Tensor]:
+                  plan: Plan, device: torch.device, time_step: StepTimer) -> Callable[[], torch.Tensor]:
     from torch._dynamo.utils import counters
 
     # No torch._dynamo.reset() here: the batch's earlier variants stay compiled for the interleaved wall
@@ -580,13 +584,19 @@ def _measure_into(result: RowResult, variant: str, model: Decoder, inputs: Decod
         for _ in range(plan.warmup):  # cudagraph trees warm up, then record, then replay
             timed()
         synchronize(device)
-        result.wall_us, result.wall_method = wall_us(timed, plan.steps, device), "alone"
-        if device.type == "cuda":
-            _gpu_time(result, variant, timed, refs, plan)
+        time_step(result, variant, timed, refs, plan, device)
         # After timing: the step at context, then new tokens at context + 1.
         check(result, inputs.run_both(step), refs)
     result.cudagraph_skips = counters["inductor"]["cudagraph_skips"]
     return timed
+
+
+def time_one_device(result: RowResult, variant: str, timed: Callable[[], torch.Tensor], refs: References,
+                    plan: Plan, device: torch.device) -> None:
+    """Wall time of a step alone, then its GPU time (:func:`_gpu_time`) on a GPU."""
+    result.wall_us, result.wall_method = wall_us(timed, plan.steps, device), "alone"
+    if device.type == "cuda":
+        _gpu_time(result, variant, timed, refs, plan)
 
 
 def _gpu_time(result: RowResult, variant: str, timed: Callable[[], torch.Tensor], refs: References,
@@ -726,10 +736,13 @@ def format_section(fmt: str, rows: Sequence[dict]) -> list[str]:
 MARKDOWN_METADATA = ("command", "device", "torch", "cuda", "triton", "helion", "python", "date")
 
 
-def markdown(metadata: dict, rows: Sequence[dict]) -> str:
+def markdown(metadata: dict, rows: Sequence[dict], title: str | None = None, preamble: Sequence[str] = ()) -> str:
+    """The result table; ``title`` and ``preamble`` (bullet lines after the run's metadata) are for variants
+    of the benchmark, such as the tensor-parallel one."""
     config = metadata["model"]
-    lines = [f"# Decode-step benchmark: {metadata['device']}, Qwen3-8B-shaped decoder", ""]
+    lines = [title or f"# Decode-step benchmark: {metadata['device']}, Qwen3-8B-shaped decoder", ""]
     lines += [f"- {key}: `{metadata.get(key)}`" for key in MARKDOWN_METADATA]
+    lines += list(preamble)
     lines += [f"- merged from: `{command}`" for command in metadata.get("merged_from", [])]
     lines += [
         f"- model: layers {config['layers']}, hidden {config['hidden']}, intermediate {config['intermediate']}, "
@@ -768,6 +781,9 @@ def merge_results(paths: Sequence[Path], out_dir: Path) -> Path:
     models = {json.dumps(data["metadata"]["model"], sort_keys=True) for data in shards}
     if len(models) > 1:
         raise SystemExit(f"cannot merge results of different model configs: {sorted(models)}")
+    worlds = {data["metadata"].get("world_size") for data in shards}  # None: one GPU
+    if len(worlds) > 1:
+        raise SystemExit(f"cannot merge results of different --tp world sizes: {sorted(worlds, key=str)}")
     rows: dict[tuple, dict] = {}
     for data in shards:
         for row in data["rows"]:
@@ -782,6 +798,10 @@ def merge_results(paths: Sequence[Path], out_dir: Path) -> Path:
         "helion_reports": {k: v for data in shards for k, v in data["metadata"].get("helion_reports", {}).items()},
         "lm_head": {k: v for data in shards for k, v in data["metadata"].get("lm_head", {}).items()},
     }
+    if worlds != {None}:
+        from benchmarks import decode_tp
+
+        return decode_tp.write_merged(out_dir, merged, shards, list(rows.values()))
     return write_results(out_dir, merged, list(rows.values()))
 
 
@@ -804,6 +824,9 @@ class Plan:
     # Backend options of the helion_inductor variant besides the defaults (extra rule files, limits).
     helion_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
+
+# Times a checked, warmed-up step into a row: (result, variant, step, refs, plan, device).
+StepTimer = Callable[[RowResult, str, Callable[[], torch.Tensor], References, Plan, torch.device], None]
 
 PRESETS = {
     "default": Plan(config=QWEN3_8B, formats=("bf16", "fp8_dynamic"), batches=(1, 8, 32), variants=VARIANTS,
@@ -852,6 +875,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                              "(e.g. my_rules.toml)")
     parser.add_argument("--helion-options", type=json.loads, metavar="JSON",
                         help="more helion_inductor options, e.g. '{\"rmsnorm_prologue_max_m\": 32}'")
+    parser.add_argument("--tp", type=int, metavar="N",
+                        help="tensor parallel over N GPUs of this host: N ranks started here, NCCL (gloo with "
+                             "--device cpu); variants reduce_overhead,helion_inductor unless --variants "
+                             "(benchmarks/decode_tp.py)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), help="where the model runs (default cuda; --smoke: cpu)")
     parser.add_argument("--layers", type=int, help="decoder layers (default 4; smoke 1)")
     parser.add_argument("--context", type=int, help="cache positions filled before the step (default 512)")
     parser.add_argument("--max-len", type=int, help="cache length (default 1024)")
@@ -877,7 +905,12 @@ def resolve_plan(args: argparse.Namespace) -> Plan:
     plan = PRESETS[args.preset]
     shape = {"layers": args.layers, "context": args.context, "max_len": args.max_len}
     config = dataclasses.replace(plan.config, **{k: v for k, v in shape.items() if v is not None})
-    overrides = {"formats": args.formats, "batches": args.batch, "variants": args.variants,
+    variants = args.variants
+    if variants is None and args.tp is not None:
+        from benchmarks.decode_tp import TP_VARIANTS
+
+        variants = TP_VARIANTS
+    overrides = {"formats": args.formats, "batches": args.batch, "variants": variants, "device": args.device,
                  "steps": args.steps, "warmup": args.warmup, "seed": args.seed,
                  "helion_options": helion_options(args)}
     return dataclasses.replace(plan, config=config, **{k: v for k, v in overrides.items() if v is not None})
@@ -1036,6 +1069,10 @@ def main(argv: Sequence[str]) -> Path:
     out_dir = args.out_dir or (SMOKE_DIR if args.preset == "smoke" else RESULTS_DIR)
     if args.merge:
         json_path = merge_results(args.merge, out_dir)
+    elif args.tp is not None:
+        from benchmarks import decode_tp
+
+        json_path = decode_tp.run(resolve_plan(args), args.tp, out_dir, args.budget_min * 60)
     else:
         json_path = run(resolve_plan(args), out_dir, args.budget_min * 60)
     rows = json.loads(json_path.read_text())["rows"]

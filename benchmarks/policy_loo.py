@@ -11,9 +11,11 @@ The policy must send a held-out key to Helion only where Helion won there. Each 
 sent to Helion, those of them Helion lost (the policy's one forbidden mistake), the evidence, and the
 geomean against torch.compile if the borrowed config were as fast as the key's own (an upper bound: the
 GPU's held-out benchmark measures the real thing). ``--grid`` also replays other closeness ratios and
-margins, to show how far the chosen ones are from a mistake::
+margins, to show how far the chosen ones are from a mistake. ``--cost`` times what the policy adds to the
+first compile of a Llama-3.1-8B-shaped decoder: reading the table and deciding every site's key at every
+M up to 32, in bf16 and fp8 (no calibration: option ``autotune_missing`` is off by default)::
 
-    python benchmarks/policy_loo.py [--table helion_backend/kernels/tuned/nvidia_h200.json] [--grid]
+    python benchmarks/policy_loo.py [--table helion_backend/kernels/tuned/nvidia_h200.json] [--grid] [--cost]
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import itertools
 import json
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from unittest import mock
@@ -76,13 +79,41 @@ def grid(tables: policy.Tables) -> list[str]:
     return lines
 
 
+# A Llama-3.1-8B decoder's GEMM keys as the backend's families see them: (family, K, N) of q/k/v (one shared
+# launch: the sum of their widths), o, gate/up (one gated launch, keyed by one projection's N), down, LM head.
+LLAMA_3_1_8B_KEYS = (("gemm_multi", 4096, 6144), (DEFAULT_KERNEL_FAMILY, 4096, 4096), ("gemm_glu", 4096, 14336),
+                     (DEFAULT_KERNEL_FAMILY, 14336, 4096), (DEFAULT_KERNEL_FAMILY, 4096, 128256))
+QUANTIZED_FAMILY = {"gemm_multi": "gemm_multi_fp8", "gemm_glu": "gemm_glu_fp8", DEFAULT_KERNEL_FAMILY: "gemm_fp8"}
+
+
+def placement_cost(path: Path, repeats: int = 5) -> str:
+    """The median time to read the table and decide the Llama-3.1-8B keys at M = 1 ... 32 in bf16 and fp8."""
+    keys = [(family, "bfloat16", k, n) for family, k, n in LLAMA_3_1_8B_KEYS]
+    keys += [(QUANTIZED_FAMILY[family], "float8_e4m3fn", k, n) for family, k, n in LLAMA_3_1_8B_KEYS]
+    times, evidence = [], {}
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tables = load_tables(path)
+        for family, dtype, k, n in keys:
+            for m in range(1, 33):
+                decision = policy.decide(tables.get((family, dtype), {}), k, n, m)
+                evidence[decision.evidence] = evidence.get(decision.evidence, 0) + 1
+        times.append(time.perf_counter() - start)
+    median = sorted(times)[len(times) // 2]
+    counts = ", ".join(f"{word} {count // repeats}" for word, count in sorted(evidence.items()))
+    return (f"placement cost: {len(keys) * 32} decisions (Llama-3.1-8B-shaped, bf16 and fp8, M = 1..32) with the "
+            f"table read: {median * 1e3:.1f} ms (median of {repeats}); evidence: {counts}")
+
+
 def main(argv: Sequence[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--table", type=Path, default=SHIPPED, help=f"a config table (default: {SHIPPED.name})")
     parser.add_argument("--grid", action="store_true", help="also replay other ratios and margins")
+    parser.add_argument("--cost", action="store_true", help="also time the placement of a Llama-3.1-8B decoder")
     args = parser.parse_args(argv)
     tables = load_tables(args.table)
-    print("\n".join(report(tables) + (grid(tables) if args.grid else [])))
+    print("\n".join(report(tables) + (grid(tables) if args.grid else [])
+                    + ([placement_cost(args.table)] if args.cost else [])))
 
 
 if __name__ == "__main__":

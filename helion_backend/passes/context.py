@@ -69,6 +69,7 @@ class GemmSite:
     n: int
     dtype: torch.dtype  # the GEMM's input dtype (float8_e4m3fn/int8 for a quantized GEMM)
     device: torch.device
+    gemm_input: fx.Node  # the activation the GEMM multiplies, before any prologue and padding
     leading_steps: list[Step] = field(default_factory=list)  # addmm's bias, _scaled_mm's scales
     chain: list[Step] = field(default_factory=list)
     # Fused prologue steps, and for an activation quantization its program (x is then the float input).

@@ -14,6 +14,8 @@ that is not fused keeps its original form, which Inductor knows best.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -81,12 +83,10 @@ def run(ctx: PassContext) -> None:
 def _describe(node: fx.Node) -> GemmSite | str:
     anchor = Anchor(_OP_NAMES[node.target])
     x, rhs = node.args[1:3] if anchor is Anchor.ADDMM else node.args[:2]
-    unpad = _row_padding(node, x) if anchor is not Anchor.SCALED_MM else None
     addmm_input = node.args[0] if anchor is Anchor.ADDMM else None
-    if unpad is not None:
-        x = x.args[0]
-        if addmm_input is not None:
-            addmm_input = _unpadded_rows(addmm_input, val(x).shape[0]) or addmm_input
+    unpadded = _seen_through_padding(node, x, rhs, addmm_input) if anchor is not Anchor.SCALED_MM else None
+    if unpadded is not None:
+        x, rhs, addmm_input = unpadded.x, unpadded.rhs, unpadded.addmm_input
     x_val, rhs_val, out_val = val(x), val(rhs), val(node)
     if x_val is None or rhs_val is None or out_val is None:
         return "operands carry no shape metadata"
@@ -102,12 +102,13 @@ def _describe(node: fx.Node) -> GemmSite | str:
         forms.add(Anchor.LINEAR.value)
     site = GemmSite(
         anchor=node, forms=frozenset(forms), x=x, weight=weight, weight_layout=layout,
-        m=m, k=k, n=n, dtype=x_val.dtype, device=x_val.device,
+        m=m, k=k, n=n, dtype=x_val.dtype, device=x_val.device, gemm_input=x,
     )
-    leading = _leading_steps(site, val(unpad) if unpad is not None else out_val, addmm_input)
+    slices = unpadded.slices if unpadded is not None else []
+    leading = _leading_steps(site, val(slices[-1]) if slices else out_val, addmm_input)
     if isinstance(leading, str):
         return leading
-    site.leading_steps = leading + ([Step("unpad", [unpad], transparent=True)] if unpad is not None else [])
+    site.leading_steps = leading + ([Step("unpad", slices, transparent=True)] if slices else [])
     _fuse_weight_dequant(site)
     _fuse_int4_dequant(site)
     _fuse_block_fp8(site)
@@ -123,58 +124,117 @@ def _leading_steps(site: GemmSite, out_val: torch.Tensor, addmm_input: fx.Node |
     return []
 
 
-def _row_padding(node: fx.Node, x: fx.Node) -> fx.Node | None:
-    """A GEMM on rows padded with zeros and sliced back: the slice, if so.
+@dataclass(frozen=True)
+class _Unpadded:
+    """A GEMM's operands before their zero padding, and the slices that cut its product back."""
 
-    ``_int_mm`` callers pad M past 16 (cuBLAS needs it); on CUDA, Inductor's ``pad_mm`` pads an
-    unaligned M to a multiple of 8 or 4. Padding rows only appends zero rows to the product, so the
-    site multiplies the unpadded rows (M is the real num_tokens, and a Helion kernel copies nothing).
-    An ``addmm`` whose [M, N] input was padded with zero rows too reads the input before its padding.
+    x: fx.Node
+    rhs: fx.Node
+    addmm_input: fx.Node | None
+    slices: list[fx.Node]  # in graph order, the last one the unpadded [M, N] product (none: only K was padded)
+
+
+def _seen_through_padding(node: fx.Node, x: fx.Node, rhs: fx.Node, addmm_input: fx.Node | None) -> _Unpadded | None:
+    """The GEMM on unpadded operands, when ``node`` multiplies zero-padded ones and slices the product back.
+
+    On CUDA, Inductor's ``pad_mm`` pads an unaligned M, K or N (``constant_pad_nd`` of both operands, the
+    addmm input padded by ``cat`` with zeros) and slices the rows and columns it added off the product;
+    ``_int_mm`` callers pad M past 16 for cuBLAS. Zero rows and columns add nothing to the real outputs, so the
+    site multiplies the unpadded operands: M, K and N are the model's, and a Helion kernel copies nothing.
     """
-    source = _unpadded_rows(x)
-    if source is None or len(node.users) != 1:
+    x_source, (pad_m, pad_k) = _without_zero_padding(x)
+    rhs_source, (rhs_pad_k, pad_n) = _without_zero_padding(rhs)
+    if pad_k != rhs_pad_k or not (pad_m or pad_k or pad_n) or val(x_source).ndim != 2 or val(rhs_source).ndim != 2:
         return None
-    rows = val(source).shape[0]
-    addmm_input = val(node.args[0]) if node.target is aten.addmm.default else None
-    if addmm_input is not None and addmm_input.ndim == 2 and addmm_input.shape[0] != 1:
-        if _unpadded_rows(node.args[0], rows) is None:
+    kept = ({0: val(x_source).shape[0]} if pad_m else {}) | ({1: val(rhs_source).shape[1]} if pad_n else {})
+    slices = _slices_back(node, kept)
+    if slices is None:
+        return None
+    if addmm_input is not None:
+        input_source, input_pads = _without_zero_padding(addmm_input)
+        if input_pads != _padding_of_addmm_input(val(addmm_input), pad_m, pad_n):
             return None
-    (user,) = node.users
-    if user.target is not aten.slice.Tensor or not _keeps_first_rows(user, rows):
-        return None
-    return user
+        addmm_input = input_source
+    return _Unpadded(x_source, rhs_source, addmm_input, slices)
 
 
-def _unpadded_rows(padded: fx.Node, rows: int | None = None) -> fx.Node | None:
-    """The tensor ``padded`` appends zero rows to (``constant_pad_nd(t, [0, 0, 0, p])``, or pad_mm's
-    ``cat([t, zeros])``), if it is one; with ``rows``, only a tensor of that many rows."""
-    source = None
-    if getattr(padded, "target", None) is aten.constant_pad_nd.default:
-        pad, value = list(padded.args[1]), padded.args[2] if len(padded.args) > 2 else 0
-        if value == 0 and len(pad) == 4 and pad[:3] == [0, 0, 0]:
-            source = padded.args[0]
-    elif getattr(padded, "target", None) is aten.cat.default and (padded.args[1] if len(padded.args) > 1
-                                                                   else padded.kwargs.get("dim", 0)) == 0:
-        parts = padded.args[0]
+def _without_zero_padding(node: fx.Node) -> tuple[fx.Node, tuple[int, ...]]:
+    """The tensor that ``node`` appends zeros to (through ``constant_pad_nd`` with zero left pads and
+    ``cat([t, zeros], dim)``, any number of them), and how many entries each dim gained."""
+    node_val = val(node)
+    if node_val is None:
+        return node, ()
+    pads = [0] * node_val.ndim
+    source = node
+    while (step := _zero_padding_step(source, node_val.ndim)) is not None:
+        source, added = step
+        pads = [p + a for p, a in zip(pads, added)]
+    return source, tuple(pads)
+
+
+def _zero_padding_step(node: fx.Node, ndim: int) -> tuple[fx.Node, list[int]] | None:
+    """``(source, entries added per dim)`` when ``node`` appends zeros to ``source`` once, else None."""
+    target = getattr(node, "target", None)
+    if target is aten.constant_pad_nd.default:
+        pad, value = list(node.args[1]), node.args[2] if len(node.args) > 2 else 0
+        if value != 0 or len(pad) > 2 * ndim or any(p != 0 for p in pad[0::2]) or any(p < 0 for p in pad[1::2]):
+            return None
+        added = [0] * ndim
+        for i, right in enumerate(pad[1::2]):  # constant_pad_nd lists the last dim first
+            added[ndim - 1 - i] = right
+        return node.args[0], added
+    if target is aten.cat.default:
+        parts, dim = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
         zeros = parts[1] if len(parts) == 2 else None
-        if getattr(zeros, "target", None) is aten.full.default and zeros.args[1] == 0:
-            source = parts[0]
-    source_val = val(source) if isinstance(source, fx.Node) else None
-    if source_val is None or source_val.ndim != 2 or (rows is not None and source_val.shape[0] != rows):
+        zeros_val = val(zeros) if isinstance(zeros, fx.Node) else None
+        if zeros_val is None or zeros.target is not aten.full.default or zeros.args[1] != 0:
+            return None
+        added = [0] * ndim
+        added[dim % ndim] = zeros_val.shape[dim % ndim]
+        return parts[0], added
+    return None
+
+
+def _padding_of_addmm_input(input_val: torch.Tensor | None, pad_m: int, pad_n: int) -> tuple[int, ...] | None:
+    """How pad_mm pads an addmm input for a product padded by ``pad_m`` rows and ``pad_n`` columns: a [N]
+    bias along N, an [M, N] input along both, never a broadcast dim of size 1."""
+    if input_val is None or input_val.ndim not in (1, 2):
         return None
-    return source
+    wanted = (pad_n,) if input_val.ndim == 1 else (pad_m, pad_n)
+    return tuple(0 if size == 1 else pad for size, pad in zip(input_val.shape, wanted))
 
 
-def _keeps_first_rows(slice_node: fx.Node, rows: int) -> bool:
-    """``slice_node`` is ``t[:rows]`` of its input, spelled with a positive end (``[:m]``), a negative
-    one (``[:-pad]``, as pad_mm writes it) or an end clamped to the size."""
+def _slices_back(node: fx.Node, kept: dict[int, int]) -> list[fx.Node] | None:
+    """The chain of single-reader slices after ``node`` that keeps the first ``kept[dim]`` entries of each dim
+    (``t[:-pad]`` as pad_mm writes it, ``t[:size]``, or an end clamped to the size), or None."""
+    slices, current, wanted = [], node, dict(kept)
+    while wanted:
+        if len(current.users) != 1:
+            return None
+        (user,) = current.users
+        dim = _kept_prefix_dim(user, wanted)
+        if dim is None:
+            return None
+        del wanted[dim]
+        slices.append(user)
+        current = user
+    return slices
+
+
+def _kept_prefix_dim(slice_node: fx.Node, kept: dict[int, int]) -> int | None:
+    """The dim of ``kept`` whose first ``kept[dim]`` entries ``slice_node`` keeps, if it is such a slice."""
+    if slice_node.target is not aten.slice.Tensor:
+        return None
     given = list(slice_node.args[1:])
     dim, start, end, step = given + [0, 0, None, 1][len(given):]  # aten.slice's defaults for what is left out
     padded = val(slice_node.args[0])
-    if padded is None or dim != 0 or start != 0 or step != 1 or not isinstance(end, int):
-        return False
-    size = padded.shape[0]
-    return isinstance(size, int) and min(end + size if end < 0 else end, size) == rows
+    if padded is None or padded.ndim != 2 or start != 0 or step != 1 or not isinstance(end, int):
+        return None
+    dim %= 2
+    size = padded.shape[dim]
+    if dim not in kept or not isinstance(size, int):
+        return None
+    return dim if min(end + size if end < 0 else end, size) == kept[dim] else None
 
 
 def _scaled_mm_steps(site: GemmSite, out_val: torch.Tensor) -> list[Step] | str:

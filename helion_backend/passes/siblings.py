@@ -159,10 +159,9 @@ def _pairable(site: GemmSite) -> bool:
 
 
 def _gemm_input(site: GemmSite) -> fx.Node:
-    """The activation the GEMM node itself reads (with a fused prologue, ``site.x`` is the prologue's input);
-    for rows padded by Inductor's pad_mm, the rows before the padding."""
-    x = site.anchor.args[1] if site.anchor.target is aten.addmm.default else site.anchor.args[0]
-    return x.args[0] if any(step.name == "unpad" for step in site.leading_steps) else x
+    """The activation the GEMM multiplies (with a fused prologue, ``site.x`` is the prologue's input), before
+    any zero padding (Inductor's pad_mm)."""
+    return site.gemm_input
 
 
 def _is_plain(site: GemmSite) -> bool:
