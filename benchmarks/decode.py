@@ -443,7 +443,8 @@ def spin_cycles_per_us(device: torch.device) -> float:
     return _SPIN_CYCLES_PER_US[index]
 
 
-def events_behind_spin_us(step: Callable[[], object], steps: int, spin_us: float, device: torch.device) -> float:
+def events_behind_spin_us(step: Callable[[], object], steps: int, spin_us: float, device: torch.device,
+                          after_spin: Callable[[], object] | None = None) -> float:
     """Median GPU time of one step from CUDA events, each step queued behind a ``spin_us`` spin kernel.
 
     While the spin runs, the host queues the start event, the whole step and the end event; the start
@@ -456,6 +457,8 @@ def events_behind_spin_us(step: Callable[[], object], steps: int, spin_us: float
     for _ in range(steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(cycles)
+        if after_spin is not None:  # queued between the spin and the start event (tensor parallel: the ranks meet)
+            after_spin()
         start.record()
         step()
         end.record()

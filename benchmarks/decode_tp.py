@@ -40,7 +40,6 @@ import dataclasses
 import datetime
 import json
 import os
-import statistics
 import tempfile
 import time
 import traceback
@@ -210,20 +209,9 @@ class Ranks:
         that outlasts the host's queuing of the step, then a one-element all-reduce (the ranks' streams meet
         there). Without it a rank that started early would count its wait for the others in the first
         collective."""
-        cycles = int(spin_us * decode.spin_cycles_per_us(self.device))
         meet = torch.zeros(1, device=self.device)
-        samples = []
         self.barrier()
-        for _ in range(steps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(cycles)
-            dist.all_reduce(meet)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3)
-        return statistics.median(samples)
+        return decode.events_behind_spin_us(step, steps, spin_us, self.device, after_spin=lambda: dist.all_reduce(meet))
 
 
 def rank_sites() -> list[dict[str, Any]]:

@@ -83,7 +83,7 @@ def test_generate_with_a_static_cache_matches_eager(name):
 
 
 @pytest.mark.parametrize("fmt, options", [
-    ("fp8_dynamic", CPU_REWRITE), pytest.param("fp8_dynamic", QUANT_IN_KERNEL, marks=pytest.mark.slow),
+    pytest.param("fp8_dynamic", CPU_REWRITE, marks=pytest.mark.slow), pytest.param("fp8_dynamic", QUANT_IN_KERNEL, marks=pytest.mark.slow),
     pytest.param("int8_dynamic", CPU_REWRITE, marks=pytest.mark.slow),
     pytest.param("int8_dynamic", QUANT_IN_KERNEL, marks=pytest.mark.slow),
     pytest.param("int8_weight_only", CPU_REWRITE, marks=pytest.mark.slow),

@@ -150,13 +150,17 @@ def test_gemv_form_with_split_k_is_refused():
 
 
 @pytest.mark.parametrize("split_k", [1, pytest.param(2, marks=pytest.mark.slow)])  # split-K: in the shapes test
-@pytest.mark.parametrize("steps", [(), *((s,) for s in INTERPRETABLE_STEPS)], ids=str)
+# Every step also runs in test_shapes_layouts_and_split_k (ALL_INTERPRETABLE): a few alone by default.
+@pytest.mark.parametrize("steps", [(), *((s,) if s in {"bias", "relu", "residual"} else
+                                       pytest.param((s,), marks=pytest.mark.slow) for s in INTERPRETABLE_STEPS)],
+                         ids=str)
 def test_each_step(steps, split_k):
     out, ref = run(5, 70, 40, torch.bfloat16, "nk", steps, split_k)
     assert rel_err(out, ref) <= TOLERANCE[torch.bfloat16]
 
 
-@pytest.mark.parametrize("k, split_k, splits", [(600, 4, 3), (1536, 2, 2), (1280, 4, 3)])
+@pytest.mark.parametrize("k, split_k, splits", [(600, 4, 3), pytest.param(1536, 2, 2, marks=pytest.mark.slow),
+                                               pytest.param(1280, 4, 3, marks=pytest.mark.slow)])
 def test_split_k_workspace_slices(k, split_k, splits):
     """Splits span whole 256-element K runs, so there may be fewer than asked; each slice is written."""
     assert gemm.num_k_splits(k, split_k) == splits
@@ -245,8 +249,7 @@ def int8_per_token(x):
 QUANT_STEPS = ("act_scale", "channel_scale", "bias", "relu")
 
 
-@pytest.mark.parametrize("prequantize", [False, True], ids=["in_kernel", "prequantize"])
-@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("split_k, prequantize", diagonal([1, 2], [False, True]))
 def test_dynamic_int8_kernel_matches_the_unfused_graph(split_k, prequantize):
     """The activation quantized in every output tile, or once by its own kernel (``prequantize``)."""
     from helion_backend.kernels.configs import PREQUANTIZE
@@ -265,8 +268,7 @@ def test_dynamic_int8_kernel_matches_the_unfused_graph(split_k, prequantize):
     assert rel_err(out, ref.double()) <= 1e-5
 
 
-@pytest.mark.parametrize("m, block_m", [(5, 16), (1, 64)])
-@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("split_k, m, block_m", diagonal([1, 2], Spread([(5, 16), (1, 64)])))
 def test_int8_kernel_on_rows_quantized_before_it(split_k, m, block_m):
     """The default compile's int8 site: rows Inductor quantized, multiplied as they are in one launch (the
     shipped configs' ``prequantize`` has nothing to quantize), their [M, 1] scale applied by ``token_scale``
@@ -294,7 +296,8 @@ def test_int8_kernel_on_rows_quantized_before_it(split_k, m, block_m):
     assert rel_err(out, ref.double()) <= 1e-5
 
 
-@pytest.mark.parametrize("quantized_by", ["inductor", "program", "program_prequantize"])
+@pytest.mark.parametrize("quantized_by", slow_except({"inductor", "program_prequantize"},
+                                                  ["inductor", "program", "program_prequantize"]))
 def test_int8_gemv_form_on_quantized_rows(quantized_by):
     """``gemv`` on int8: rows quantized before the call (the default compile's site), or by the site's own
     program, which the GEMV form always runs first, in its own kernel, whether or not ``prequantize`` says so."""
@@ -397,8 +400,7 @@ def test_weight_only_int8_kernel(layout, gemv):
     assert rel_err(out, float64_reference(x, w_kn.double(), steps, [scale, bias], [])) <= 1e-5
 
 
-@pytest.mark.parametrize("layout", ["kn", "nk"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, layout", diagonal([torch.float32, torch.bfloat16], ["kn", "nk"]))
 def test_gated_kernel_computes_both_projections(dtype, layout):
     """``silu(x @ w_gate) * (x @ w_up) + residual`` from one pass over x."""
     from helion_backend.kernels.gemm import glu_gemm_helion
@@ -665,7 +667,7 @@ def attention_case(rows: int, kv_len: int, dtype: torch.dtype, mask_kind: str):
 
 
 @pytest.mark.parametrize("rows, dtype, mask_kind, split_kv", slow_except({
-    (5, torch.bfloat16, "none", 1), (5, torch.bfloat16, "bias", 4), (1, torch.float32, "bool", 4)}, [
+    (5, torch.bfloat16, "bias", 4)}, [
     *((5, torch.bfloat16, mask_kind, split_kv) for mask_kind in ("none", "bool", "bias") for split_kv in (1, 4)),
     (1, torch.float32, "bool", 4),
     (5, torch.float32, "bias", 1),
@@ -689,7 +691,8 @@ def test_decode_attention_kernel_refuses_a_one_position_cache():
         decode_attention_helion(q, k, v, None, scale=0.2)
 
 
-@pytest.mark.parametrize("rows, out_layout", [(1, "contiguous"), (3, "rows_outer")])
+@pytest.mark.slow  # as the attention cases below: the kernel against float64 above runs by default
+@pytest.mark.parametrize("rows, out_layout", [(3, "rows_outer"), (1, "contiguous")])
 def test_decode_attention_kernel_grouped_query_heads(rows, out_layout):
     """6 query heads over 2 key/value heads: a key/value head's 3 query heads (x rows) are its kernel rows.
     Three rows with a per-row mask make the mask's grouped view a copy, and an output stored [B, R, H, D]
@@ -707,6 +710,7 @@ def test_decode_attention_kernel_grouped_query_heads(rows, out_layout):
     assert rel_err(got, ref) <= ATTENTION_TOLERANCE[torch.bfloat16]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split_kv", [1, 4])
 def test_decode_attention_row_with_nothing_to_attend_is_zero(split_kv):
     """As PyTorch's attention (its safe softmax): zeros, not NaN, from one chunk or from several."""
@@ -721,7 +725,9 @@ def test_decode_attention_row_with_nothing_to_attend_is_zero(split_kv):
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=keep))
 
 
-@pytest.mark.parametrize("split_kv, masked_bias", diagonal([1, 4], [-3.0, -65536.0]))
+@pytest.mark.slow
+@pytest.mark.parametrize("masked_bias", [-3.0, -65536.0])
+@pytest.mark.parametrize("split_kv", [1, 4])
 def test_decode_attention_masked_positions_add_a_finite_bias(split_kv, masked_bias):
     """A boolean mask with a finite ``masked_bias`` computes the bias ``where(keep, 0, masked_bias)``: masked
     positions still count (a fully masked row attends to all of them), just less. With cuDNN's -65536 the
@@ -743,8 +749,8 @@ def test_decode_attention_masked_positions_add_a_finite_bias(split_kv, masked_bi
     assert rel_err(out[0, 1, 2:], unmasked) <= tolerance
 
 
-@pytest.mark.parametrize("split_kv, masked_bias",
-                         slow_except({(4, float("-inf")), (1, -65536.0)}, [(1, float("-inf")), (4, float("-inf")), (1, -65536.0)]))
+@pytest.mark.slow
+@pytest.mark.parametrize("split_kv, masked_bias", [(1, float("-inf")), (4, float("-inf")), (1, -65536.0)])
 def test_decode_attention_does_not_read_positions_no_row_keeps(split_kv, masked_bias):
     """A static cache past each sequence's length: NaN there (never written) must not reach the output, as
     it would if the kernel read those positions (a probability of 0 times NaN is NaN). With a finite fill a
@@ -774,6 +780,7 @@ def test_decode_attention_does_not_read_positions_no_row_keeps(split_kv, masked_
     # A fully masked row's fp32 logits near the fill keep 2^-7 of absolute precision, as in the graph.
     assert rel_err(out, ref) <= (ATTENTION_TOLERANCE[torch.float32] if masked_bias == float("-inf") else 1e-2)
 
+@pytest.mark.slow
 
 def test_decode_attention_combine_tiles_the_head_dimension():
     """Nine chunks of 4 rows of D = 128 overflow one combine program's tile: D is split (two programs per
@@ -902,7 +909,8 @@ def _damage(text: str, how: str) -> str:
     return json.dumps(entry)
 
 
-@pytest.mark.parametrize("how", ["truncated", "edited_source", "unloadable_source", "other_key"])
+@pytest.mark.parametrize("how", slow_except({"edited_source"},
+                                         ["truncated", "edited_source", "unloadable_source", "other_key"]))
 def test_a_damaged_entry_warns_binds_and_is_replaced(code_cache_dir, monkeypatch, caplog, how):
     run(*CACHE_CASE, 1)
     (path,) = code_cache_dir.iterdir()

@@ -130,7 +130,7 @@ def test_the_int8_gemv_multiplies_in_int32(gemv_ptx):
     assert counts.get("fma.rn.f32", 0) == 0, counts
 
 
-@pytest.mark.parametrize("dtype, mma", [(torch.float8_e4m3fn, "f32.e4m3.e4m3"),
+@pytest.mark.parametrize("dtype, mma", [pytest.param(torch.float8_e4m3fn, "f32.e4m3.e4m3", marks=pytest.mark.slow),
                                         pytest.param(torch.int8, "s32.s8.s8", marks=pytest.mark.slow)], ids=str)
 def test_the_swapped_gemm_puts_the_weight_on_wgmmas_64_rows(dtype, mma, tmp_path):
     """``swap_ab`` at 8 rows, 16 x 64 x 256 blocks: wgmma's 64-row side holds 64 weight rows and its N side

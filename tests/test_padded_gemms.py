@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import TOLERANCE, compile_run, rel_err, sites
 
 import helion_backend
-
-from helpers import TOLERANCE, compile_run, rel_err, sites
 
 
 def pad_mm_addmm(x, w, b, q, r, pad_m: int = 3, pad_k: int = 8, pad_n: int = 5):

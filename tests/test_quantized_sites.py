@@ -64,8 +64,11 @@ class Block(nn.Module):
         return F.gelu(self.proj(x), approximate="tanh") + residual
 
 
-@pytest.mark.parametrize("fmt, fused, dtype, lead", diagonal(Spread(FORMATS), [torch.float32, torch.bfloat16],
-                                                            [(5,), (2, 3)]))
+@pytest.mark.parametrize("fmt, fused, dtype, lead", slow_except(
+    {("fp8_dynamic", False, torch.float32, (5,)), ("int8_dynamic", True, torch.bfloat16, (2, 3)),
+     ("int4_weight_only", False, torch.bfloat16, (5,)), ("fp8_block", False, torch.float32, (2, 3))},
+    [(fmt, fused, dtype, lead) for fmt, fused in FORMATS for dtype in (torch.float32, torch.bfloat16)
+     for lead in ((5,), (2, 3))]))
 def test_library_forms_fuse_with_their_prologue_and_match_eager(fmt, fused, dtype, lead):
     torch.manual_seed(0)
     model = quantize(Block().to(dtype).eval(), fmt)
@@ -97,8 +100,7 @@ def record_fused_inputs(monkeypatch) -> list[tuple[torch.dtype, bool]]:
     return calls
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["default", "kernel_quant"])
-@pytest.mark.parametrize("fmt", PER_TOKEN)
+@pytest.mark.parametrize("fmt, fused", diagonal(list(PER_TOKEN), [False, True]))
 def test_per_token_quantization_runs_in_inductor_unless_the_option_fuses_it(fmt, fused, monkeypatch):
     """By default the fp8/int8 site reads the rows Inductor quantized (with the RMSNorm that produces them)
     and multiplies by their scale in its epilogue (``token_scale``), and the report says why; with
@@ -285,7 +287,7 @@ def test_zero_rows_saturation_and_nan_behave_as_the_unfused_graph(fmt, fused):
 # Generated variants of per-token quantization, as different libraries and versions write it.
 
 PROGRAMS = int(os.environ.get("HELION_INDUCTOR_QUANT_FUZZ_PROGRAMS", "60"))
-DEFAULT_PROGRAMS = 8  # in the default run; the others are marked slow (CI and --runslow run them)
+DEFAULT_PROGRAMS = 4  # in the default run; the others are marked slow (CI and --runslow run them)
 
 
 def quantization_variant(rng: random.Random, qdtype: torch.dtype):
@@ -392,7 +394,9 @@ def test_rule_that_stops_before_the_rescale_cannot_take_the_prologue(tmp_path):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("fmt, fused, dynamic", diagonal(Spread(FORMATS), [None, True]))
+@pytest.mark.parametrize("fmt, fused, dynamic", slow_except(
+    {("int8_dynamic", True, None)},
+    [(fmt, fused, dynamic) for fmt, fused in FORMATS for dynamic in (None, True)]))
 def test_dynamic_token_count(fmt, fused, dynamic):
     """A symbolic M keeps the prologue, marked (``mark_dynamic``) or everywhere (``dynamic=True``, which also
     makes Python floats the forward reads graph inputs: the layers read their fp8 bound where Dynamo keeps it
@@ -484,8 +488,8 @@ class _Int4Variant(Int4WeightOnlyLinear):
         return F.linear(x, w, self.bias)
 
 
-@pytest.mark.parametrize("variant", ["documented", "zero_point_7", "high_nibble_first", "sub_before_convert",
-                                     "groups_across_rows"])
+@pytest.mark.parametrize("variant", slow_except({"documented", "high_nibble_first"}, [
+    "documented", "zero_point_7", "high_nibble_first", "sub_before_convert", "groups_across_rows"]))
 def test_int4_near_misses_stay_unfused_with_a_note(variant):
     """Another zero point, nibble order or scale layout, or a subtraction in uint8 (which wraps around)
     computes another weight: the GEMM is fused without the dequantization, which Inductor keeps, and the
@@ -549,7 +553,8 @@ class _BlockFp8Variant(BlockFp8Linear):
         return F.linear(x_dq, w_dq, self.bias)
 
 
-@pytest.mark.parametrize("variant", ["documented", "activation_groups_of_64", "activation_dequantized_in_model_dtype"])
+@pytest.mark.parametrize("variant", slow_except({"activation_groups_of_64"}, [
+    "documented", "activation_groups_of_64", "activation_dequantized_in_model_dtype"]))
 def test_block_fp8_near_misses_stay_unfused_with_a_note(variant):
     """Activation groups of 64, or a dequantization rounded in bf16, are not the format the kernel
     computes: the GEMM fuses as a float one and the report says what differs."""
@@ -605,8 +610,8 @@ def block_fp8_float64(layer: BlockFp8Linear, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], n)
 
 
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
-@pytest.mark.parametrize("dtype, k, n", [(torch.float32, 256, 256), (torch.bfloat16, 512, 384)])
+@pytest.mark.parametrize("dtype, k, n, bias", diagonal(
+    Spread([(torch.float32, 256, 256), (torch.bfloat16, 512, 384)]), [True, False]))
 def test_block_fp8_scaled_mm_fuses_as_the_hand_written_form(dtype, k, n, bias, tmp_path):
     """Same site, family and steps as the dequantize-then-linear form; the op reads the stored block scales
     (no padding or transpose left per call); on fresh inputs it matches float64 (K = N: a transposed
@@ -636,7 +641,8 @@ def test_block_fp8_scaled_mm_fuses_as_the_hand_written_form(dtype, k, n, bias, t
         assert sqnr_db(expected, out) >= (90 if dtype == torch.float32 else 40)
 
 
-@pytest.mark.parametrize("dynamic", [None, True], ids=["mark_dynamic", "dynamic_true"])
+@pytest.mark.parametrize("dynamic", [None, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["mark_dynamic", "dynamic_true"])
 def test_block_fp8_scaled_mm_with_a_symbolic_token_count_fuses(dynamic):
     """The blockwise ``_scaled_mm`` form fuses for a symbolic M as for a static one. The token counts stay
     within the Helion limit: above it the unrewritten graph runs, whose blockwise ``_scaled_mm`` the CPU lacks."""
@@ -825,8 +831,7 @@ VLLM_SCALES = {"row_wise": ["token_scale", "channel_scale", "bias"],
                "per_tensor": ["tensor_scale", "tensor_scale", "bias"]}
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["default", "kernel_quant"])
-@pytest.mark.parametrize("kernel", sorted(VLLM_SCALES))
+@pytest.mark.parametrize("kernel, fused", diagonal(sorted(VLLM_SCALES), [False, True]))
 def test_vllm_native_fp8_forms_fuse_and_match_eager(kernel, fused):
     """Each form fuses as one fp8 site with its scales, bias, GELU and residual. The per-token quantization
     is recognized (the note by default, the prologue with fuse_activation_quant, the token scale becoming
@@ -864,7 +869,7 @@ def torchao_int8_cuda_form(x: torch.Tensor, qweight: torch.Tensor, w_scale: torc
     return y * w_scale + bias
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.slow), torch.bfloat16])
 def test_torchao_int8_cuda_form_fuses_and_matches_eager(dtype):
     """The token scale multiplies the int32 result with no cast before it, and through an expand: the same
     site as the CPU form (``token_scale`` reads the [M, 1] scale)."""

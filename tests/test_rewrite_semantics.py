@@ -90,7 +90,7 @@ def test_two_gemms_summed_are_fused_once(op_calls):
     assert rel_err(out, fn(x.double(), w1.double(), w2.double())) < 1e-5
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float16, marks=pytest.mark.slow)])
 def test_half_precision_matches_float64(dtype, op_calls):
     x, w, b, r = randn(6, 64, dtype=dtype), randn(96, 64, dtype=dtype), randn(96, dtype=dtype), randn(6, 96, dtype=dtype)
     fn = lambda x, w, b, r: F.gelu(F.linear(x, w, b), approximate="tanh") * 0.5 + r  # noqa: E731

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import NORMS_FUSED, compile_run, rel_err, sites
+from helpers import NORMS_FUSED, compile_run, diagonal, rel_err, sites
 
 import helion_backend
 from helion_backend.compile.trace import trace_sites
@@ -64,8 +64,7 @@ class Block(nn.Module):
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
-@pytest.mark.parametrize("norm", [HFRMSNorm, nn_rmsnorm], ids=["hf", "nn_rmsnorm"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, norm", diagonal([torch.float32, torch.bfloat16], [HFRMSNorm, nn_rmsnorm]))
 def test_block_fuses_the_norms_into_qkv_and_gate_up_and_matches_eager(norm, dtype):
     torch.manual_seed(0)
     model = Block(norm).to(dtype).eval()
@@ -166,6 +165,7 @@ def test_normalized_value_with_another_reader_stays_unfused_and_correct():
     assert rel_err(out, ref_out) <= 1e-5 and rel_err(total, ref_total) <= 1e-5
 
 
+@pytest.mark.slow
 def test_dynamic_m_fuses_and_every_size_matches_eager(op_calls):
     """A dynamic token count: small M runs the fused op (the prologue in its reference), large M the plain
     Inductor variant with the norm unfused; both compute what eager does."""
@@ -307,9 +307,8 @@ class NormedMLP(nn.Module):
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
-@pytest.mark.parametrize("lead", [(5,), (2, 3)], ids=["2d", "3d"])
-@pytest.mark.parametrize("norm", [HFRMSNorm, nn_rmsnorm], ids=["hf", "nn_rmsnorm"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, norm, lead", diagonal([torch.float32, torch.bfloat16], [HFRMSNorm, nn_rmsnorm],
+                                                      [(5,), (2, 3)]))
 def test_gated_pair_fuses_the_norm_and_matches_eager(dtype, norm, lead, op_calls):
     torch.manual_seed(0)
     model = NormedMLP(norm).to(dtype).eval()

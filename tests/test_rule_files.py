@@ -102,15 +102,25 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "helion_backend", *args], capture_output=True, text=True)
 
 
-def test_check_rules_cli(tmp_path):
+def run_in_process(capsys, *args) -> subprocess.CompletedProcess:
+    """The command line's ``main`` in this process (no interpreter start-up), as :func:`run_cli` reports it."""
+    from helion_backend.__main__ import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
+def test_check_rules_cli(tmp_path, capsys):
     ok = run_cli("check-rules", str(write(tmp_path, GOOD)), "--with-builtin")
     expected = len(load_rules(builtin_rule_files())) + 1
     assert ok.returncode == 0 and f"{expected} rule(s) valid" in ok.stdout, ok.stderr
     bad = write(tmp_path, '[[rule]]\nname = "r"\nanchor = ["matmul"]\n', "bad.toml")
-    result = run_cli("check-rules", str(bad))
+    result = run_in_process(capsys, "check-rules", str(bad))
     assert result.returncode == 1
     assert f"{bad}:3: rule #1: unknown anchor 'matmul'" in result.stderr
-    shipped = run_cli("check-rules")
+    shipped = run_in_process(capsys, "check-rules")
     assert shipped.returncode == 0 and "gemm_activation" in shipped.stdout
 
 
@@ -124,13 +134,13 @@ def test_check_rules_cli(tmp_path):
     ('["n > 8 and n < 4"]', "constraints can never all hold: no n satisfies n > 8 and n < 4"),
     ('["4096 <= n", "k > 1",\n  "n <= 1024"]', "no n satisfies 4096 <= n and n <= 1024"),
 ])
-def test_a_constraint_that_can_never_hold_is_refused_at_its_line(tmp_path, where, needle):
+def test_a_constraint_that_can_never_hold_is_refused_at_its_line(tmp_path, capsys, where, needle):
     path = write(tmp_path, f'# header\n[[rule]]\nname = "r"\nanchor = ["mm"]\nwhere = {where}\n')
     with pytest.raises(RuleError) as info:
         load_rule_file(path)
     assert str(info.value).startswith(f"{path}:5: rule #1: "), info.value
     assert needle in str(info.value)
-    result = run_cli("check-rules", str(path))
+    result = run_in_process(capsys, "check-rules", str(path))
     assert result.returncode == 1 and needle in result.stderr, result.stderr
 
 

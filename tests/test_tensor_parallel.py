@@ -70,7 +70,9 @@ def run_ranks(out: Path, device: str, cases: tuple[str, ...]) -> list[dict]:
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
 
 
-@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+# Two CPU ranks take about 90 s on two cores: slow (CI runs them); the graph-level tests below run by default.
+@pytest.fixture(scope="module", params=[pytest.param("cpu", marks=pytest.mark.slow),
+                                        pytest.param("cuda", marks=pytest.mark.gpu)])
 def ranks(request, tmp_path_factory) -> list[dict]:
     if request.param == "cuda" and torch.cuda.device_count() < WORLD:
         pytest.skip(f"needs {WORLD} CUDA GPUs")

@@ -110,7 +110,7 @@ def test_fp8_per_row_fuses_with_the_scales_bias_gelu_and_residual(fp8_on_cpu):
     assert sqnr_db(expected, out) >= 40
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)])
 def test_int8_dynamic_fuses_with_the_rounding_between_its_scales(dtype):
     """torchao 0.18 rescales ``_int_mm``'s result by the token scale, casts it to the model's dtype, then
     multiplies by the channel scale in fp32: ``cast, token_scale, cast, channel_scale``. The fused op keeps

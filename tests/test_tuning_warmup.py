@@ -284,6 +284,7 @@ def read_events(log) -> list[tuple[str, int, int]]:
     return [(what, int(m), int(pid)) for what, m, pid in (line.split() for line in log.read_text().splitlines())]
 
 
+@pytest.mark.slow
 def test_real_workers_warm_every_key_before_the_command_times_it(manifest, tmp_path, fake_gpu, monkeypatch, capsys):
     """Two spawned workers; the warm-up of one key raises and another's kills its worker: every key is still
     tuned, each after its warm-up ended, none while a worker runs, and no worker outlives the command."""
@@ -326,6 +327,7 @@ def test_real_workers_warm_every_key_before_the_command_times_it(manifest, tmp_p
     assert "0 failed" in err
 
 
+@pytest.mark.slow
 def test_real_workers_time_out_and_stop_at_once_on_ctrl_c(tmp_path, request):
     """A worker stuck on a key past the timeout (counted from the end of its imports) is stopped and the key
     reported; Ctrl-C while a worker is at a key terminates it rather than waiting for it."""

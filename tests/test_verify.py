@@ -298,6 +298,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.slow
 def test_bisect_names_the_first_diverging_site_of_a_script(tmp_path):
     hooks = tmp_path / "hooks"
     hooks.mkdir()
