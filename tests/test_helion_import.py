@@ -36,6 +36,32 @@ def test_kernels_import_helion_without_sklearn_and_searches_still_build_estimato
     assert state["sklearn_after_build"] is True
 
 
+CALLER_FRAMES = """
+import gc, sys, weakref
+
+class Activation:  # stands for a tensor the first fused op's caller holds (under CUDA graphs: in the pool)
+    pass
+
+def first_kernel_call():
+    activation = Activation()
+    import helion_backend.kernels.helion_import  # Helion's first import, as inside a graph's first run
+    return weakref.ref(activation)
+
+alive = first_kernel_call()
+gc.collect()
+print(json.dumps({"helion_imported": "helion" in sys.modules, "caller_local_alive": alive() is not None}))
+"""
+
+
+def test_helion_import_keeps_no_caller_frame_alive():
+    """Helion keeps a failed optional import's exception; imported on the caller's stack, its traceback would
+    keep the caller's locals (under CUDA graph trees, tensors of the graph's pool) alive after the call."""
+    done = subprocess.run([sys.executable, "-c", f"import json\n{CALLER_FRAMES}"], capture_output=True, text=True,
+                          check=True)
+    state = json.loads(done.stdout.strip().splitlines()[-1])
+    assert state == {"helion_imported": True, "caller_local_alive": False}
+
+
 @pytest.mark.slow
 def test_sklearn_imported_first_leaves_helion_import_alone():
     state = _run("import sklearn.ensemble")

@@ -7,6 +7,11 @@ scikit-learn hidden (its import fails, which Helion handles), then gives the two
 what their import would have bound, deferred: an estimator that imports scikit-learn when a search
 first builds one. Autotuning, ours or a user's own Helion kernels', works as before and pays the
 import when it first needs it.
+
+The import runs on a thread of its own. Helion keeps the exception of a failed optional import, and an
+exception's traceback holds every frame above it: imported from the caller's stack, that would keep the
+caller's locals alive for good. The first fused op imports Helion inside the graph's first run, where, under
+CUDA graph trees, those locals are tensors of the graph's memory pool that the trees then find untracked.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+import threading
 from collections.abc import Callable
 from types import ModuleType
 
@@ -32,13 +38,32 @@ def import_helion() -> ModuleType:
         return helion
     sys.modules["sklearn"] = None  # type: ignore[assignment]  # "import sklearn" now raises ImportError
     try:
-        import helion
+        helion = _import_on_own_thread("helion")
     finally:
         if sys.modules.get("sklearn", 0) is None:
             del sys.modules["sklearn"]
     if importlib.util.find_spec("sklearn") is not None:
         _defer_estimators()
     return helion
+
+
+def _import_on_own_thread(name: str) -> ModuleType:
+    """``importlib.import_module(name)`` with a stack of its own (see the module docstring); its error, if
+    any, is raised here."""
+    outcome: dict[str, ModuleType | BaseException] = {}
+
+    def run() -> None:
+        try:
+            outcome["module"] = importlib.import_module(name)
+        except BaseException as error:  # noqa: BLE001  (re-raised on the caller's thread)
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, name=f"import {name}")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["module"]  # type: ignore[return-value]
 
 
 def _defer_estimators() -> None:
