@@ -156,8 +156,10 @@ RULE_DTYPES: dict[str, torch.dtype] = {**SUPPORTED_DTYPES, **QUANT_DTYPES}
 CONSTRAINT_NAMES = ("m", "k", "n")
 
 @dataclass(frozen=True)
-class KernelFamily:
-    """What one kernel family multiplies: its GEMM input dtypes and the prologue steps it runs."""
+class FamilyContract:
+    """What a rule may ask of one kernel family: the GEMM input dtypes it multiplies and the prologue steps it
+    runs. How the family runs (its kernel, configs, tuning problem, reference) is its registry row,
+    :class:`helion_backend.kernels.family.KernelFamily`, one layer up."""
 
     name: str
     dtypes: tuple[str, ...]
@@ -172,33 +174,33 @@ WEIGHT_ONLY_FAMILY = "gemm_weight_only"
 INT4_FAMILY = "gemm_int4"
 # The block fp8 family (its K block is always FP8_BLOCK: one activation group, one weight block).
 FP8_BLOCK_FAMILY = "gemm_fp8_block"
-# Kernel families a rule may name; the kernels package registers an implementation for each.
-KERNEL_FAMILIES: dict[str, KernelFamily] = {
-    family.name: family
-    for family in (
-        KernelFamily("gemm", tuple(SUPPORTED_DTYPES), (RMSNORM,)),
-        KernelFamily("gemm_fp8", ("float8_e4m3fn",), (ACTIVATION_QUANT_STEPS[torch.float8_e4m3fn],)),
-        KernelFamily("gemm_int8", ("int8",), (ACTIVATION_QUANT_STEPS[torch.int8],)),
-        KernelFamily(WEIGHT_ONLY_FAMILY, tuple(SUPPORTED_DTYPES), ("dequant_int8",), needs_prologue=True),
-        KernelFamily(INT4_FAMILY, tuple(SUPPORTED_DTYPES), ("dequant_int4",), needs_prologue=True),
-        KernelFamily(FP8_BLOCK_FAMILY, tuple(SUPPORTED_DTYPES), ("quant_fp8_per_group", "dequant_fp8_block"),
-                     needs_prologue=True),
-        KernelFamily(GLU_FAMILY, tuple(SUPPORTED_DTYPES), (RMSNORM,), needs_steps=("up_mul",)),
-        # On rows quantized before the GEMM (Inductor's per-token quantization, the default): no prologue.
-        KernelFamily(GLU_FP8_FAMILY, ("float8_e4m3fn",), needs_steps=("up_mul",)),
-        KernelFamily(GLU_INT8_FAMILY, ("int8",), needs_steps=("up_mul",)),
-    )
-}
 DEFAULT_KERNEL_FAMILY = "gemm"
 # The per-token quantized families (fp8 ``_scaled_mm``, int8 ``_int_mm``).
 FP8_FAMILY, INT8_FAMILY = "gemm_fp8", "gemm_int8"
+# Kernel families a rule may name; the kernels package has a registry row for each.
+KERNEL_FAMILIES: dict[str, FamilyContract] = {
+    family.name: family
+    for family in (
+        FamilyContract(DEFAULT_KERNEL_FAMILY, tuple(SUPPORTED_DTYPES), (RMSNORM,)),
+        FamilyContract(FP8_FAMILY, ("float8_e4m3fn",), (ACTIVATION_QUANT_STEPS[torch.float8_e4m3fn],)),
+        FamilyContract(INT8_FAMILY, ("int8",), (ACTIVATION_QUANT_STEPS[torch.int8],)),
+        FamilyContract(WEIGHT_ONLY_FAMILY, tuple(SUPPORTED_DTYPES), ("dequant_int8",), needs_prologue=True),
+        FamilyContract(INT4_FAMILY, tuple(SUPPORTED_DTYPES), ("dequant_int4",), needs_prologue=True),
+        FamilyContract(FP8_BLOCK_FAMILY, tuple(SUPPORTED_DTYPES), ("quant_fp8_per_group", "dequant_fp8_block"),
+                       needs_prologue=True),
+        FamilyContract(GLU_FAMILY, tuple(SUPPORTED_DTYPES), (RMSNORM,), needs_steps=("up_mul",)),
+        # On rows quantized before the GEMM (Inductor's per-token quantization, the default): no prologue.
+        FamilyContract(GLU_FP8_FAMILY, ("float8_e4m3fn",), needs_steps=("up_mul",)),
+        FamilyContract(GLU_INT8_FAMILY, ("int8",), needs_steps=("up_mul",)),
+    )
+}
 # Not a rule's family: the one launch that runs several GEMMs of one activation (passes/shared_input.py
 # groups them), by the family of the sites it takes; its configs are keyed by the sum of their N.
 MULTI_GEMM_FAMILY = "gemm_multi"
 MULTI_GEMM_FAMILIES: dict[str, str] = {
     DEFAULT_KERNEL_FAMILY: MULTI_GEMM_FAMILY,
-    "gemm_fp8": "gemm_multi_fp8",  # q, k and v on the same quantized rows (and token scale)
-    "gemm_int8": "gemm_multi_int8",
+    FP8_FAMILY: "gemm_multi_fp8",  # q, k and v on the same quantized rows (and token scale)
+    INT8_FAMILY: "gemm_multi_int8",
 }
 MULTI_GEMM_FP8_FAMILY, MULTI_GEMM_INT8_FAMILY = MULTI_GEMM_FAMILIES[FP8_FAMILY], MULTI_GEMM_FAMILIES[INT8_FAMILY]
 MULTI_GEMM_SLOTS = 3  # sites one such launch runs (a decoder's q, k and v)
@@ -206,7 +208,7 @@ MULTI_GEMM_SLOTS = 3  # sites one such launch runs (a decoder's q, k and v)
 # without config table entries for a shape takes that family's (then its defaults) at the same (K, N).
 MEMBER_FAMILY: dict[str, str] = {
     **{multi: member for member, multi in MULTI_GEMM_FAMILIES.items()},
-    GLU_FAMILY: DEFAULT_KERNEL_FAMILY, GLU_FP8_FAMILY: "gemm_fp8", GLU_INT8_FAMILY: "gemm_int8",
+    GLU_FAMILY: DEFAULT_KERNEL_FAMILY, GLU_FP8_FAMILY: FP8_FAMILY, GLU_INT8_FAMILY: INT8_FAMILY,
 }
 CONFIG_FALLBACK: dict[str, str] = {family: MEMBER_FAMILY[family]
                                    for family in ("gemm_multi_fp8", "gemm_multi_int8", GLU_FP8_FAMILY, GLU_INT8_FAMILY)}

@@ -29,8 +29,7 @@ def key_of(row: KernelFamily) -> TuneKey:
         widths = () if row.config_adapter_path.endswith("glu_kernel_config") else (N, N)
         return TuneKey(row.name, (), dtype, K, sum(widths) or N, 8, widths)
     widths = (N, N) if row.name in MULTI_GEMM_FAMILIES.values() else ()
-    epilogue = ("silu", "up_mul") if "up_mul" in KERNEL_FAMILIES.get(row.name, KERNEL_FAMILIES["gemm"]).needs_steps \
-        else ("bias",)
+    epilogue = ("silu", "up_mul") if "up_mul" in row.contract.needs_steps else ("bias",)
     return TuneKey(row.name, () if widths else epilogue, "bfloat16", K, sum(widths) or N, 8, widths)
 
 

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
+from helion_backend.runtime.ops import gemm_epilogue
 from helion_backend.semantics.gemm_spec import GemmSpec, SpecError
 from helion_backend.semantics.norm import RmsNormSpec
-from helion_backend.runtime.ops import gemm_epilogue
 
 SINGLE = GemmSpec("gemm_glu", torch.bfloat16, ("nk",), (("bias", "scale", "silu", "up_mul"),), scalars=(0.5, 2.0),
                   prologue=("rmsnorm",), up_layout="kn", up_epilogue=("scale",), norm=RmsNormSpec(1e-6, True),

@@ -93,7 +93,7 @@ def test_quant_kernel_64_row_tiles(qdtype, split_k, m):
     from helion_backend.kernels.configs import PREQUANTIZE
     from helion_backend.kernels.quant_gemm import quant_gemm_helion
     from helion_backend.layers.quantize import Fp8DynamicLinear, Int8DynamicLinear
-    from helion_backend.runtime.dispatch import reference
+    from helion_backend.semantics.reference import reference
 
     torch.manual_seed(m)
     linear = nn.Linear(4096, 512).to(device="cuda", dtype=torch.bfloat16)
@@ -120,7 +120,7 @@ def test_quant_gemv_form_at_one_row(qdtype, tile):
     from helion_backend.kernels.configs import GEMV
     from helion_backend.kernels.quant_gemm import quant_gemm_helion
     from helion_backend.layers.quantize import Fp8DynamicLinear, Int8DynamicLinear
-    from helion_backend.runtime.dispatch import reference
+    from helion_backend.semantics.reference import reference
 
     torch.manual_seed(2)
     n = 1008  # 16 x 63: fp8's _scaled_mm needs a multiple of 16, and no N tile above 16 divides it
@@ -155,7 +155,7 @@ def test_quant_swapped_form(qdtype, m, config):
     or not, with an N that no 64-wide block divides, against the unfused quantized graph."""
     from helion_backend.kernels.quant_gemm import quant_gemm_helion
     from helion_backend.layers.quantize import Fp8DynamicLinear, Int8DynamicLinear
-    from helion_backend.runtime.dispatch import reference
+    from helion_backend.semantics.reference import reference
 
     torch.manual_seed(3)
     n = 1008
@@ -176,7 +176,7 @@ def test_weight_only_swapped_form(m):
     """``swap_ab`` on float rows and an int8 weight (converted to the rows' dtype in the K loop)."""
     from helion_backend.kernels.quant_gemm import quant_gemm_helion
     from helion_backend.layers.quantize import Int8WeightOnlyLinear
-    from helion_backend.runtime.dispatch import reference
+    from helion_backend.semantics.reference import reference
 
     torch.manual_seed(4)
     linear = nn.Linear(4096, 1008).to(device="cuda", dtype=torch.bfloat16)
@@ -201,7 +201,7 @@ def test_quant_kernel_split_k(qdtype, split_k, prequantize):
     from helion_backend.kernels.configs import PREQUANTIZE
     from helion_backend.kernels.quant_gemm import quant_gemm_helion
     from helion_backend.layers.quantize import Fp8DynamicLinear, Int8DynamicLinear
-    from helion_backend.runtime.dispatch import reference
+    from helion_backend.semantics.reference import reference
 
     torch.manual_seed(1)
     linear = nn.Linear(4096, 512).to(device="cuda", dtype=torch.bfloat16)
@@ -229,7 +229,7 @@ def test_int4_kernel_blocks_groups_and_split_k(paired_loads, group_size, block_k
 
     from helion_backend.kernels.quant_gemm import int4_gemm_helion
     from helion_backend.layers.quantize import Int4WeightOnlyLinear
-    from helion_backend.runtime.dispatch import dequantize_int4, reference
+    from helion_backend.semantics.reference import dequantize_int4, reference
 
     torch.manual_seed(2)
     linear = nn.Linear(4096, 512).to(device="cuda", dtype=torch.bfloat16)
@@ -254,7 +254,7 @@ def test_block_fp8_kernel_blocks_and_split_k(prequantize_block_k, block_mn, spli
 
     from helion_backend.kernels.quant_gemm import block_fp8_gemm_helion
     from helion_backend.layers.quantize import BlockFp8Linear
-    from helion_backend.runtime.dispatch import dequantize_block_fp8, reference
+    from helion_backend.semantics.reference import dequantize_block_fp8, reference
 
     torch.manual_seed(3)
     linear = nn.Linear(4096, 512).to(device="cuda", dtype=torch.bfloat16)

@@ -163,6 +163,27 @@ def test_the_kernels_import_neither_the_compile_side_nor_the_run_time_nor_tuning
     assert violations(sources, ("compile", "runtime", "tuning", "tools", "backend")) == []
 
 
+def test_the_registry_rows_late_paths_lead_to_kernels_and_tuning_only():
+    """A family's row names its kernel and config adapter (kernels, loaded with Helion) and its tuning problem
+    and candidates (tuning, the layer above) by ``"module:attribute"`` paths, which the graph above cannot see:
+    each must name an attribute the module defines, and none may lead to the compile side or the run time."""
+    from helion_backend.kernels.family import FAMILIES
+
+    paths = {getattr(row, field) for row in FAMILIES.values() for field in
+             ("kernel_path", "config_adapter_path", "problem_path", "candidates_path") if getattr(row, field)}
+    targets = {}
+    for path in paths:
+        module, _, attribute = path.partition(":")
+        target = f"helion_backend.{module}"
+        assert target in MODULES, f"{path}: no module {target}"
+        defined = {node.name for node in ast.parse(MODULES[target].read_text()).body
+                   if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+        assert attribute in defined, f"{path}: {target} defines no {attribute}"
+        targets[path] = target
+    assert {t for t in targets.values() if not in_area(t, "kernels", "tuning")} == set()
+    assert any(in_area(t, "tuning") for t in targets.values()) and any(in_area(t, "kernels") for t in targets.values())
+
+
 def test_the_quantized_layers_stand_apart():
     """A user layer needs torch and the vocabulary's names, nothing of the backend."""
     for source in (m for m in MODULES if in_area(m, "layers")):

@@ -254,7 +254,7 @@ def test_dynamic_int8_kernel_matches_the_unfused_graph(split_k, prequantize):
     """The activation quantized in every output tile, or once by its own kernel (``prequantize``)."""
     from helion_backend.kernels.configs import PREQUANTIZE
     from helion_backend.kernels.quant_gemm import quant_gemm_helion
-    from helion_backend.runtime.dispatch import reference
+    from helion_backend.semantics.reference import reference
 
     m, k, n = 5, 600, 40
     x = torch.randn(m, k)
@@ -277,7 +277,8 @@ def test_int8_kernel_on_rows_quantized_before_it(split_k, m, block_m):
     from helion_backend.kernels.configs import PREQUANTIZE
     from helion_backend.kernels.gemm import record_launches
     from helion_backend.kernels.quant_gemm import lowp_gemm_kernel, quant_gemm_helion
-    from helion_backend.runtime.dispatch import flatten_operands, reference
+    from helion_backend.runtime.dispatch import flatten_operands
+    from helion_backend.semantics.reference import reference
 
     k, n = 600, 40
     xq, scale = int8_per_token(torch.randn(m, k))
@@ -304,7 +305,8 @@ def test_int8_gemv_form_on_quantized_rows(quantized_by):
     from helion_backend.kernels.configs import GEMV, PREQUANTIZE
     from helion_backend.kernels.gemm import gemv_kernel, record_launches
     from helion_backend.kernels.quant_gemm import quant_gemm_helion, quantize_rows_kernel
-    from helion_backend.runtime.dispatch import flatten_operands, reference
+    from helion_backend.runtime.dispatch import flatten_operands
+    from helion_backend.semantics.reference import reference
 
     k, n = 600, 40
     x = torch.randn(1, k)
@@ -335,7 +337,8 @@ def test_swapped_kernel_matches_the_unfused_graph(rows, m, split_k, layout):
     from helion_backend.kernels.configs import SWAP_AB
     from helion_backend.kernels.gemm import record_launches
     from helion_backend.kernels.quant_gemm import quant_gemm_helion, swapped_lowp_gemm_kernel
-    from helion_backend.runtime.dispatch import flatten_operands, reference
+    from helion_backend.runtime.dispatch import flatten_operands
+    from helion_backend.semantics.reference import reference
 
     k, n = 600, 80
     w_kn = torch.randint(-128, 128, (n, k), dtype=torch.int8).t()
@@ -368,7 +371,7 @@ def test_swapped_kernel_quantizes_the_rows_first():
         quantize_rows_kernel,
         swapped_lowp_gemm_kernel,
     )
-    from helion_backend.runtime.dispatch import reference
+    from helion_backend.semantics.reference import reference
 
     m, k, n = 5, 600, 80
     x = torch.randn(m, k)
@@ -434,7 +437,7 @@ def test_int4_weight_only_kernel_dequantizes_as_the_graph(dtype, split_k, paired
 
     from helion_backend.kernels.quant_gemm import int4_gemm_helion
     from helion_backend.layers.quantize import Int4WeightOnlyLinear
-    from helion_backend.runtime.dispatch import dequantize_int4, reference
+    from helion_backend.semantics.reference import dequantize_int4, reference
 
     torch.manual_seed(split_k)
     layer = Int4WeightOnlyLinear.from_linear(nn.Linear(600, 40).to(dtype), group_size=40)
@@ -480,7 +483,7 @@ def test_block_fp8_kernel_scales_each_block_product(prequantize, split_k, m):
     from helion_backend.compile.trace import trace_sites
     from helion_backend.kernels.quant_gemm import block_fp8_gemm_helion
     from helion_backend.layers.quantize import FP8_BLOCK, BlockFp8Linear
-    from helion_backend.runtime.dispatch import dequantize_block_fp8, reference
+    from helion_backend.semantics.reference import dequantize_block_fp8, reference
 
     torch.manual_seed(split_k)
     layer = BlockFp8Linear.from_linear(nn.Linear(640, 256))
@@ -527,8 +530,8 @@ def test_rmsnorm_prologue_kernel_matches_the_unfused_graph(dtype, split_k, spell
     """Rows normalized over all of K (several partial K blocks, split or not), then multiplied (by a dot, or
     as a GEMV)."""
     from helion_backend.compile.trace import trace_sites
-    from helion_backend.runtime.dispatch import reference
     from helion_backend.semantics.norm import rms_norm
+    from helion_backend.semantics.reference import reference
 
     k, n = 300, 40
     norm = _HFRMSNorm(k, dtype) if spelling == "hf" else torch.nn.RMSNorm(k, eps=1e-5, dtype=dtype)
@@ -954,7 +957,8 @@ def _int8_weight(k: int, n: int):
 @pytest.mark.parametrize("outputs", [2, 3])
 def test_quantized_multi_gemm_kernel_rescales_each_output(outputs):
     from helion_backend.kernels.multi_gemm import multi_gemm_helion
-    from helion_backend.runtime.dispatch import flatten_operands, unfused_multi
+    from helion_backend.runtime.dispatch import flatten_operands
+    from helion_backend.semantics.reference import unfused_multi
 
     m, k, widths = 5, 300, [72, 40, 24][:outputs]
     xq, scale = _int8_rows(m, k)
@@ -975,7 +979,8 @@ def test_quantized_multi_gemm_kernel_rescales_each_output(outputs):
 def test_quantized_gated_kernel_rescales_both_projections():
     """``silu(rescale(xq @ wq_gate)) * rescale_up(xq @ wq_up)``: each accumulator by its own channel scale."""
     from helion_backend.kernels.gemm import glu_gemm_helion
-    from helion_backend.runtime.dispatch import flatten_operands, reference
+    from helion_backend.runtime.dispatch import flatten_operands
+    from helion_backend.semantics.reference import reference
 
     m, k, n = 5, 300, 72
     xq, scale = _int8_rows(m, k)

@@ -30,7 +30,7 @@ from helion_backend.layers.quantize import (
     Int8DynamicLinear,
     quantize,
 )
-from helion_backend.runtime.dispatch import dequantize_int4
+from helion_backend.semantics.reference import dequantize_int4
 
 FP8, FP8_MAX = torch.float8_e4m3fn, 448.0
 # Each format's prologue with fuse_activation_quant (the per-token quantizations in the kernel).

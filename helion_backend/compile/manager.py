@@ -31,8 +31,8 @@ from helion_backend.compile.graph_drawing import GraphSketch, Picture, draw
 from helion_backend.compile.graph_pass import GraphPass
 from helion_backend.compile.passes import ANALYSIS, TRANSFORMS
 from helion_backend.compile.provenance import model_location
-from helion_backend.compile.site_spec import spec_of
 from helion_backend.compile.rules import builtin_rule_files, load_rules, rules_digest
+from helion_backend.compile.site_spec import spec_of
 from helion_backend.environment import package_digest
 from helion_backend.manifest import ManifestSite, record_sites
 from helion_backend.options import BackendOptions

@@ -2,9 +2,12 @@
 
 A row holds the family's kernel (a lazy import path: reading a row imports no Helion), how ``run_kernel``
 calls it, its default config as a plain dict, the adapter from a table config to the config its kernel
-runs, its sweep candidates, its tuning problem and its reference computation. The kernel, the adapter, the
-candidates, the problem and the reference are imported when first used; everything else is plain data.
-The family names themselves are :mod:`helion_backend.vocabulary`'s.
+runs, its sweep candidates, its tuning problem and its reference computation
+(:mod:`helion_backend.semantics.reference`). The kernel, the adapter, the candidates and the problem are
+imported when first used (the tuning ones from the layer above, which is why they are paths:
+``tests/test_import_graph.py`` checks where they lead); everything else is plain data.
+The family names, and what a rule may ask of each family (its input dtypes and prologue steps, the row's
+``contract``), are :mod:`helion_backend.vocabulary`'s: the compile side reads them without this module.
 
 Adding a family is one row here plus its kernel file (and its tuning problem and candidates where they
 differ from an existing family's).
@@ -20,6 +23,7 @@ from typing import Any
 
 import torch
 
+from helion_backend.semantics.reference import unfused, unfused_multi
 from helion_backend.tables import GEMV, PAIRED_LOADS, PREQUANTIZE, SWAP_AB
 from helion_backend.vocabulary import (
     DEFAULT_KERNEL_FAMILY,
@@ -36,6 +40,7 @@ from helion_backend.vocabulary import (
     MULTI_GEMM_FAMILY,
     SUPPORTED_DTYPES,
     WEIGHT_ONLY_FAMILY,
+    FamilyContract,
 )
 
 _PACKAGE = __name__.rsplit(".", 2)[0]  # helion_backend
@@ -168,8 +173,8 @@ def _resolve(path: str) -> Any:
 
 @dataclass(frozen=True)
 class KernelFamily:
-    """One kernel family's row (see the module docstring). ``kernel``, ``config_adapter``, ``problem``,
-    ``candidates`` and ``reference`` are ``"module:attribute"`` paths under the package, imported on use."""
+    """One kernel family's row (see the module docstring). ``kernel``, ``config_adapter``, ``problem``
+    and ``candidates`` are ``"module:attribute"`` paths under the package, imported on use."""
 
     name: str
     kernel_path: str
@@ -177,7 +182,8 @@ class KernelFamily:
     default: Callable[[int, int, int, torch.dtype], dict[str, Any]]
     problem_path: str
     candidates_path: str
-    reference_path: str = "runtime.dispatch:unfused"
+    # What the family computes without Helion, from a :class:`KernelCall`'s fields in order.
+    reference: Callable[..., Any] = unfused
     # Turns a table config into the config the family's kernel runs (None: the table's config as is).
     config_adapter_path: str | None = None
     quant_format: str | None = None  # the helion_backend.quantize format whose layers the family runs
@@ -197,9 +203,10 @@ class KernelFamily:
         return _resolve(self.config_adapter_path) if self.config_adapter_path else None
 
     @property
-    def reference(self) -> Callable[..., Any]:
-        """What the family computes without Helion, from a :class:`KernelCall`'s fields in order."""
-        return _resolve(self.reference_path)
+    def contract(self) -> FamilyContract:
+        """What rules may ask of the family (:data:`helion_backend.vocabulary.KERNEL_FAMILIES`); a shared
+        launch, which no rule names, has its member family's."""
+        return KERNEL_FAMILIES.get(self.name) or KERNEL_FAMILIES[self.member]
 
     @property
     def member(self) -> str:
@@ -209,7 +216,7 @@ class KernelFamily:
     @property
     def multiplies_quantized_rows(self) -> bool:
         """Whether the kernel multiplies rows quantized before it (fp8 or int8), rather than float ones."""
-        return not set(KERNEL_FAMILIES[self.member].dtypes) & set(SUPPORTED_DTYPES)
+        return not set(self.contract.dtypes) & set(SUPPORTED_DTYPES)
 
     def default_config(self, m: int, k: int, n: int, dtype: torch.dtype) -> dict[str, Any]:
         """The hand-picked config at this shape, as a plain dict (``helion.Config(**it)`` runs it)."""
@@ -248,7 +255,7 @@ _SIBLINGS = dict(default=tile_default, problem_path=f"{_PROBLEMS}:quantized_sibl
 _GLU = dict(kernel_path="kernels.gemm:glu_gemm_helion", launcher=_launch_glu,
             config_adapter_path="kernels.gemm:glu_kernel_config")
 _MULTI = dict(kernel_path="kernels.multi_gemm:multi_gemm_helion", launcher=_launch_multi,
-              config_adapter_path="kernels.multi_gemm:multi_kernel_config", reference_path="runtime.dispatch:unfused_multi")
+              config_adapter_path="kernels.multi_gemm:multi_kernel_config", reference=unfused_multi)
 
 FAMILIES: dict[str, KernelFamily] = {
     row.name: row

@@ -32,6 +32,7 @@ from helion.autotuner import PowerOfTwoFragment
 
 from helion_backend import code_cache
 from helion_backend.kernels.configs import EPILOGUE_CONFIG, GEMV, PREQUANTIZE, config_for, split_key
+from helion_backend.kernels.family import family
 
 # Device code reaches ``apply_epilogue`` as an attribute of this module object, never as a bare name:
 # Helion replaces the globals of any function it traces by name with fakes, and the step table that
@@ -50,7 +51,6 @@ from helion_backend.vocabulary import (
     RULE_DTYPES,
     Operand,
 )
-from helion_backend.kernels.family import family
 
 SUPPORTED_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

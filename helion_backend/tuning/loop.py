@@ -79,7 +79,15 @@ from helion_backend.options import (
 )
 from helion_backend.policy import TableKey
 from helion_backend.tuning.candidates import sweep_configs
-from helion_backend.tuning.problems import TOLERANCE, Output, Problem, Search, TuneError, TuneKey, build_problem
+from helion_backend.tuning.problems import (
+    TOLERANCE,
+    Output,
+    Problem,
+    Search,
+    TuneError,
+    TuneKey,
+    build_problem,
+)
 from helion_backend.tuning.timing import Step, TimingConfig, relative_error, run_metadata, time_callable_us
 from helion_backend.tuning.warmup import pool_for
 from helion_backend.vocabulary import DEFAULT_KERNEL_FAMILY

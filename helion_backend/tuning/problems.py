@@ -58,6 +58,7 @@ from helion_backend.runtime import dispatch
 from helion_backend.semantics.epilogue import apply_epilogue, num_scalars, operand_kinds
 from helion_backend.semantics.norm import RmsNormSpec, rms_norm
 from helion_backend.semantics.quant_program import QuantProgram, quantize_rows
+from helion_backend.semantics.reference import unfused, unfused_multi
 from helion_backend.tuning.timing import Step, copies_to_defeat_l2
 from helion_backend.vocabulary import (
     ACTIVATION_QUANT_STEPS,
@@ -218,7 +219,7 @@ class Call:
     norm: tuple[torch.Tensor, RmsNormSpec] | None = None
 
     def args(self) -> tuple[Any, ...]:
-        """The fields in order: :func:`~helion_backend.runtime.dispatch.unfused`'s arguments."""
+        """The fields in order: :func:`~helion_backend.semantics.reference.unfused`'s arguments."""
         return tuple(getattr(self, field.name) for field in dataclasses.fields(self))
 
     def kernel(self, family: str, config: helion.Config) -> torch.Tensor:
@@ -227,7 +228,7 @@ class Call:
                           config=config)
 
     def unfused(self) -> torch.Tensor:
-        return dispatch.unfused(*self.args())
+        return unfused(*self.args())
 
     def float64(self) -> Call:
         """This call in float64 (a float family's exact result), the norm applied first in x's dtype so that
@@ -307,7 +308,7 @@ def float_problem(key: TuneKey, device: torch.device) -> Problem:
     return Problem(
         run=lambda config, i: calls[i % len(calls)].kernel(key.kernel, config),
         reference=calls[0].float64().unfused(),
-        fallback=lambda: compiled(dispatch.unfused, lambda i: calls[i % len(calls)].args()),
+        fallback=lambda: compiled(unfused, lambda i: calls[i % len(calls)].args()),
         current=_current(key, device),
         epilogue=key.epilogue, searched=searched, to_table=to_table,
     )
@@ -362,8 +363,8 @@ def multi_problem(key: TuneKey, device: torch.device) -> Problem:
     x64, w64 = outputs[0][0].float64().x, [calls[0].w_kn.double() for calls in outputs]
     return Problem(
         run=lambda config, i: multi_gemm_helion(*args(i), config, norm=norm[i % copies]),
-        reference=dispatch.unfused_multi(x64, w64, steps, [], [], torch.float64),
-        fallback=lambda: compiled(dispatch.unfused_multi, lambda i: (*args(i), norm[i % copies])),
+        reference=unfused_multi(x64, w64, steps, [], [], torch.float64),
+        fallback=lambda: compiled(unfused_multi, lambda i: (*args(i), norm[i % copies])),
         current=_current(key, device),
         epilogue=(), to_table=FAMILIES[key.kernel].config_adapter, extra_timings={"separate_us": separate},
     )
@@ -531,7 +532,7 @@ def quantized_sibling_problem(key: TuneKey, device: torch.device) -> Problem:
                                    kernel_family=key.kernel)
 
         def unfused_glu(x: torch.Tensor, w: torch.Tensor, up: torch.Tensor, operands: list[torch.Tensor]) -> Output:
-            return dispatch.unfused(x, w, steps, operands, [], act_dtype, None, up, None, None, own)
+            return unfused(x, w, steps, operands, [], act_dtype, None, up, None, None, own)
 
         fn, fn_args = unfused_glu, glu_args
         to_table = functools.partial(FAMILIES[key.kernel].config_adapter, itemsize=1, normed=False)
@@ -540,7 +541,7 @@ def quantized_sibling_problem(key: TuneKey, device: torch.device) -> Problem:
         def run(config: helion.Config, i: int) -> Output:
             return multi_gemm_helion(*args(i), config, kernel_family=key.kernel)
 
-        fn, fn_args, to_table, epilogue = dispatch.unfused_multi, args, FAMILIES[key.kernel].config_adapter, ()
+        fn, fn_args, to_table, epilogue = unfused_multi, args, FAMILIES[key.kernel].config_adapter, ()
     def separate(group: list[torch.nn.Module], quantized_rows: tuple[torch.Tensor, ...]) -> Output:
         outs = [layer.forward_quantized(*quantized_rows, act_dtype) for layer in group]
         return (torch.nn.functional.silu(outs[0]) * outs[1]).to(act_dtype) if glu else outs
