@@ -2,10 +2,10 @@
 
 ``import helion`` imports scikit-learn (and with it scipy) for two surrogate-assisted searches of its
 autotuner, ``LFBOPatternSearch`` and ``DESurrogateHybrid``: most of ``import helion``'s time, and the
-largest part of the backend's first call over ``torch.compile``'s. Launching a compiled kernel never runs a search. So the backend imports Helion with
-scikit-learn hidden (its import fails, which Helion handles), then gives the two search modules back
-what their import would have bound, deferred: an estimator that imports scikit-learn when a search
-first builds one. Autotuning, ours or a user's own Helion kernels', works as before and pays the
+largest part of the backend's first call over ``torch.compile``'s. Launching a compiled kernel never runs
+a search. So the backend imports Helion with scikit-learn hidden (its import fails, which Helion handles),
+then gives the two search modules back what their import would have bound, deferred: an estimator that
+imports scikit-learn when a search first builds one. Autotuning, ours or a user's own Helion kernels', works as before and pays the
 import when it first needs it.
 
 The import runs on a thread of its own. Helion keeps the exception of a failed optional import, and an
