@@ -20,8 +20,10 @@ _ENTRY_POINTS = {
 
 
 def __getattr__(name: str) -> Any:
+    """An entry point, imported on first access and then bound here (later lookups skip this)."""
     if name in _ENTRY_POINTS:
-        return getattr(importlib.import_module(_ENTRY_POINTS[name], __name__), name)
+        value = globals()[name] = getattr(importlib.import_module(_ENTRY_POINTS[name], __name__), name)
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -165,6 +165,7 @@ def int4_default(m: int, k: int, n: int, dtype: torch.dtype) -> dict[str, Any]:
     return {**config, "block_sizes": [block_m, block_n, max(64, block_k // 4)]}
 
 
+@functools.cache  # on every launch: the kernel and its config adapter
 def _resolve(path: str) -> Any:
     """``"module:attribute"`` (the module relative to the package) imported."""
     module, _, attribute = path.partition(":")
