@@ -13,9 +13,13 @@ geomean against torch.compile if the borrowed config were as fast as the key's o
 GPU's held-out benchmark measures the real thing). ``--grid`` also replays other closeness ratios and
 margins, to show how far the chosen ones are from a mistake. ``--cost`` times what the policy adds to the
 first compile of a Llama-3.1-8B-shaped decoder: reading the table and deciding every site's key at every
-M up to 32, in bf16 and fp8 (no calibration: option ``autotune_missing`` is off by default)::
+M up to 32, in bf16 and fp8 (no calibration: option ``autotune_missing`` is off by default). ``--replay
+RESULTS`` places the bf16 rows of a ``bench_gemm.py`` results file with the table (each held-out row with its
+suite held out) and lists those the table now places elsewhere than they ran, so a table change shows
+which measured rows it moved::
 
     python benchmarks/policy_loo.py [--table helion_backend/kernels/tuned/nvidia_h200.json] [--grid] [--cost]
+        [--replay benchmarks/results/held_out/leave_one_family_out/nvidia_h200_bf16.json]
 """
 
 from __future__ import annotations
@@ -40,8 +44,13 @@ SHIPPED = Path(__file__).resolve().parents[1] / "helion_backend" / "kernels" / "
 
 def load_tables(path: Path) -> policy.Tables:
     """(family, dtype) -> (K, N) -> entries sorted by M, from a table file (configs kept as plain dicts)."""
+    return tables_of(json.loads(path.read_text()))
+
+
+def tables_of(table: dict) -> policy.Tables:
+    """:func:`load_tables` of a table file's JSON."""
     tables: dict[tuple[str, str], dict[tuple[int, int], list[policy.Entry]]] = {}
-    for raw in json.loads(path.read_text())["entries"]:
+    for raw in table["entries"]:
         wins, us, fallback_us = raw.get("helion_wins"), raw.get("us"), raw.get("fallback_us")
         entry = policy.Entry(int(raw["m"]), raw["config"], None if wins is None else bool(wins),
                              float(fallback_us) / float(us) if us and fallback_us else None,
@@ -105,15 +114,45 @@ def placement_cost(path: Path, repeats: int = 5) -> str:
             f"table read: {median * 1e3:.1f} ms (median of {repeats}); evidence: {counts}")
 
 
+def replay(table_path: Path, results_path: Path) -> list[str]:
+    """Where the policy places each bf16 row of a ``bench_gemm.py`` results file with this table (its row's
+    suite held out where the row was), against where the row ran: whether a table change moved a measured
+    placement, so that the row's time still stands for the table."""
+    from benchmarks.bench_gemm import held_out_shapes, without_shapes
+
+    table, results = json.loads(table_path.read_text()), json.loads(results_path.read_text())
+    by_suite: dict[str, policy.Tables] = {}
+    rows = [row for row in results["rows"] if row["dtype"] == "bf16" and not row.get("quant")
+            and isinstance(row.get("helion_sites"), str)]
+    moved = []
+    for row in rows:
+        suite = row["suite"] if row.get("held_out") else ""
+        if suite not in by_suite:
+            by_suite[suite] = tables_of(without_shapes(table, held_out_shapes([suite]))[0] if suite else table)
+        shapes = by_suite[suite].get((DEFAULT_KERNEL_FAMILY, "bfloat16"), {})
+        decision = policy.decide(shapes, int(row["k"]), int(row["n"]), int(row["m"]))
+        ran_helion = row["helion_sites"].startswith("helion")
+        if decision.helion != ran_helion:
+            moved.append(f"  {row['suite']} {row['name']} M={row['m']}: ran {'Helion' if ran_helion else 'Inductor'}, "
+                         f"now {'Helion' if decision.helion else 'Inductor'} ({decision.evidence})")
+    held = sum(1 for row in rows if row.get("held_out"))
+    return [f"replay of {results_path}: {len(rows)} rows ({held} held out), {len(moved)} placed elsewhere "
+            f"by {table_path.name}", *moved]
+
+
 def main(argv: Sequence[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--table", type=Path, default=SHIPPED, help=f"a config table (default: {SHIPPED.name})")
     parser.add_argument("--grid", action="store_true", help="also replay other ratios and margins")
     parser.add_argument("--cost", action="store_true", help="also time the placement of a Llama-3.1-8B decoder")
+    parser.add_argument("--replay", type=Path, action="append", default=[], metavar="RESULTS",
+                        help="also check where the table places the rows of a bench_gemm.py results file "
+                             "against where they ran (repeatable)")
     args = parser.parse_args(argv)
     tables = load_tables(args.table)
     print("\n".join(report(tables) + (grid(tables) if args.grid else [])
-                    + ([placement_cost(args.table)] if args.cost else [])))
+                    + ([placement_cost(args.table)] if args.cost else [])
+                    + [line for path in args.replay for line in replay(args.table, path)]))
 
 
 if __name__ == "__main__":

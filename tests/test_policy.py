@@ -1,6 +1,7 @@
 """The placement policy for keys without an exact entry, replayed on the shipped H200 table: a shape or key
 held out is sent to Helion only where the table measured Helion faster there (benchmarks/policy_loo.py)."""
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -54,3 +55,28 @@ def test_the_placement_cost_decides_every_decoder_key_at_every_decode_m():
     decisions = int(re.search(r"(\d+) decisions", line).group(1))
     assert decisions == 2 * len(policy_loo.LLAMA_3_1_8B_KEYS) * 32, line
     assert re.search(r"exact [1-9]", line), line
+
+
+COMMITTED_RESULTS = (ROOT / "benchmarks/results/popular/nvidia_h200_bf16.json",
+                     ROOT / "benchmarks/results/held_out/leave_one_family_out/nvidia_h200_bf16.json")
+
+
+@pytest.mark.parametrize("results", COMMITTED_RESULTS, ids=lambda p: p.parent.name)
+def test_the_committed_results_ran_where_the_shipped_table_places_them(results):
+    """The committed bf16 results (tuned, and each family held out) still stand for the shipped table and
+    policy: replaying the placement moves none of their rows. A change of either that moves a row must
+    re-run the benchmark."""
+    lines = policy_loo.replay(policy_loo.SHIPPED, results)
+    assert re.search(r": [1-9]\d* rows .* 0 placed elsewhere", lines[0]), "\n".join(lines)
+
+
+def test_the_replay_names_a_row_that_ran_elsewhere(tmp_path):
+    """A row recorded as run by Inductor where the table now places Helion is listed, with its evidence."""
+    results = json.loads(COMMITTED_RESULTS[0].read_text())
+    row = next(r for r in results["rows"] if r["helion_sites"].startswith("helion") and r["m"] == 1)
+    row["helion_sites"] = "inductor (as if an older table had placed it there)"
+    edited = tmp_path / "results.json"
+    edited.write_text(json.dumps(results))
+    lines = policy_loo.replay(policy_loo.SHIPPED, edited)
+    assert " 1 placed elsewhere" in lines[0], lines
+    assert lines[1].startswith(f"  {row['suite']} {row['name']} M=1: ran Inductor, now Helion (exact)"), lines
