@@ -32,11 +32,13 @@ TUNED_DIR = Path(__file__).resolve().parent / "kernels" / "tuned"
 PREQUANTIZE = "prequantize"
 # In the int4 configs: read the activation as [M, K/2, 2] pairs and split them in registers.
 PAIRED_LOADS = "paired_loads"
-# In the 16-bit GEMM's configs: run the GEMV kernel (elementwise products summed over K after the loop, no
-# tensor-core dot, whose rows Helion pads to 16; see kernels/gemm.py's ``gemv_kernel``).
+# In the configs of one row (16-bit, fp8, int8, int8 and int4 weight-only): run the family's GEMV kernel
+# (elementwise products summed over K after the loop, no tensor-core dot, whose rows Helion pads to 16; see
+# kernels/gemm.py's ``gemv_kernel`` and kernels/quant_gemm.py's ``int4_gemv_kernel``).
 GEMV = "gemv"
-# In the fp8, int8 and int8 weight-only configs: run ``swapped_lowp_gemm_kernel``, which multiplies the
-# weight by the rows (``w @ x.T``) so that the dot's 64-row side is the weight's (kernels/quant_gemm.py).
+# In the fp8, int8, int8 and int4 weight-only configs: run ``swapped_lowp_gemm_kernel`` (int4:
+# ``swapped_int4_gemm_kernel``), which multiplies the weight by the rows (``w @ x.T``) so that the dot's
+# 64-row side is the weight's (kernels/quant_gemm.py).
 SWAP_AB = "swap_ab"
 # A table entry's field: option autotune_missing measured the key before a compiled graph's first run.
 CALIBRATED = "calibrated"

@@ -9,7 +9,10 @@ which the fused kernel must match at least as well as the unfused graph does (up
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
+import helion
+import helion.language as hl
 import pytest
 import torch
 import torch.nn as nn
@@ -218,7 +221,7 @@ def test_quant_kernel_split_k(qdtype, split_k, prequantize):
 
 
 @pytest.mark.parametrize("split_k", [1, 2, 4])
-@pytest.mark.parametrize("block_k", [64, 128, 256])
+@pytest.mark.parametrize("block_k", [32, 64, 128, 256])
 @pytest.mark.parametrize("group_size", [128, 32])
 @pytest.mark.parametrize("paired_loads", [False, True])
 def test_int4_kernel_blocks_groups_and_split_k(paired_loads, group_size, block_k, split_k):
@@ -241,6 +244,78 @@ def test_int4_kernel_blocks_groups_and_split_k(paired_loads, group_size, block_k
     out = int4_gemm_helion(x, layer.packed.t(), layer.scales, steps, operands, [], torch.bfloat16, config=config)
     w_kn = dequantize_int4(layer.packed, layer.scales, torch.bfloat16).t()
     assert sqnr_db(reference(x, w_kn, steps, operands, [], torch.bfloat16), out) >= 40
+
+
+@helion.kernel(static_shapes=True, autotune_effort="none")
+def _dequantize_int4(pairs: torch.Tensor, scales: torch.Tensor,
+                     nibbles: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each byte's two int4 values, dequantized by ``nibbles`` with the scale beside it."""
+    low, high = torch.empty_like(scales), torch.empty_like(scales)
+    for tile_r, tile_c in hl.tile(pairs.size()):
+        low[tile_r, tile_c], high[tile_r, tile_c] = nibbles(pairs[tile_r, tile_c], scales[tile_r, tile_c])
+    return low, high
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tile", [(16, 32), (64, 128), (128, 8)])
+def test_int4_bit_dequantization_is_the_graphs_bit_for_bit(dtype, tile):
+    """The int4 kernels' PTX dequantization (``int4_dequantizer`` on CUDA) gives exactly the graph's values:
+    nibble minus 8, times the scale in the activation's dtype, for every byte value and fresh random scales
+    over a wide range of magnitudes."""
+    from helion_backend.kernels.int4_nibbles import int4_dequantizer
+
+    torch.manual_seed(tile[0] + tile[1])
+    pairs = torch.randint(0, 256, (256, 512), device="cuda", dtype=torch.uint8)
+    pairs[0, :256] = torch.arange(256, device="cuda", dtype=torch.uint8)
+    scales = (torch.randn(256, 512, device="cuda") * torch.exp2(torch.randint(-12, 6, (256, 512), device="cuda")))
+    scales = scales.to(dtype)
+    nibbles = int4_dequantizer(scales)
+    assert nibbles.__name__.endswith("_ptx")
+    config = helion.Config(block_sizes=list(tile), num_warps=4)
+    low, high = _dequantize_int4.bind((pairs, scales, nibbles)).compile_config(config)(pairs, scales, nibbles)
+    assert torch.equal(low, ((pairs & 15).to(dtype) - 8) * scales)
+    assert torch.equal(high, ((pairs >> 4).to(dtype) - 8) * scales)
+
+
+def _int4_candidate_matches_the_graph(candidate: tuple, m: int, n: int, seed: int, **keys: bool) -> None:
+    """One tuner candidate of the int4 family (with its wrapper ``keys``) at [m, 4096] x [4096, n], bf16,
+    groups of 128, the bias + GELU-tanh epilogue, against the graph's dequantization (>= 40 dB)."""
+    import helion
+
+    from helion_backend.kernels.quant_gemm import int4_gemm_helion
+    from helion_backend.layers.quantize import Int4WeightOnlyLinear
+    from helion_backend.semantics.reference import dequantize_int4, reference
+
+    bm, bn, bk, warps, stages, split_k, indexing = candidate
+    torch.manual_seed(seed)
+    layer = Int4WeightOnlyLinear.from_linear(nn.Linear(4096, n).to(device="cuda", dtype=torch.bfloat16),
+                                             group_size=128)
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    steps, operands = ("bias", "gelu_tanh"), [layer.bias]
+    config = helion.Config(block_sizes=[bm, bn, bk], num_warps=warps, num_stages=stages, indexing=indexing,
+                           split_k=split_k, **keys)
+    out = int4_gemm_helion(x, layer.packed.t(), layer.scales, steps, operands, [], torch.bfloat16, config=config)
+    w_kn = dequantize_int4(layer.packed, layer.scales, torch.bfloat16).t()
+    assert sqnr_db(reference(x, w_kn, steps, operands, [], torch.bfloat16), out) >= 40
+
+
+@pytest.mark.parametrize("candidate", range(14))
+def test_int4_gemv_form_every_candidate(candidate):
+    """Each of the tuner's int4 GEMV candidates (``gemv``: ``int4_gemv_kernel``) at one row."""
+    from helion_backend.tuning.candidates import INT4_GEMV_CANDIDATES
+
+    assert len(INT4_GEMV_CANDIDATES) == 14
+    _int4_candidate_matches_the_graph(INT4_GEMV_CANDIDATES[candidate], 1, 1024, candidate, gemv=True)
+
+
+@pytest.mark.parametrize("m", [1, 8, 32])
+@pytest.mark.parametrize("candidate", range(12))
+def test_int4_swapped_form_every_candidate(candidate, m):
+    """Each of the tuner's swapped int4 candidates (``swap_ab``: ``swapped_int4_gemm_kernel``) at decode M."""
+    from helion_backend.tuning.candidates import INT4_SWAPPED_CANDIDATES
+
+    assert len(INT4_SWAPPED_CANDIDATES) == 12
+    _int4_candidate_matches_the_graph(INT4_SWAPPED_CANDIDATES[candidate], m, 3072, candidate + m, swap_ab=True)
 
 
 @pytest.mark.parametrize("split_k", [1, 2, 4])

@@ -1,6 +1,6 @@
-"""What Triton makes of the GEMV kernel and the swapped one-byte GEMM for Hopper (sm_90), compiled on the CPU:
-no GPU is needed to read their PTX, and the PTX shows what the interpreter cannot, where the GEMV's K loop
-waits and which tensor-core instruction the GEMM runs.
+"""What Triton makes of the GEMV kernel, the swapped one-byte GEMM and the int4 GEMM for Hopper (sm_90),
+compiled on the CPU: no GPU is needed to read their PTX, and the PTX shows what the interpreter cannot, where
+the GEMV's K loop waits, which tensor-core instruction the GEMM runs and how int4 dequantizes.
 
 The generated code comes from Helion under the interpreter (as in ``test_kernel_interpret.py``); the
 compile runs in a child process without ``TRITON_INTERPRET``, which patches ``triton.language`` process-wide.
@@ -58,7 +58,10 @@ for path, kernel in json.loads(sys.argv[1]).items():
         label = lines[header].split(":")[0]
         back = next(i for i in range(header + 1, len(lines))
                     if "bra" in lines[i] and lines[i].rstrip(";").endswith(label))
-    opcodes = lambda part: collections.Counter(line.split()[0] for line in part if line.split())
+    # Each instruction's opcode (inline asm puts several on a line), past its guard (``@%p1 ld.global.b16``).
+    instructions = lambda part: (i.split() for line in part for i in line.split(";") if i.split())
+    opcodes = lambda part: collections.Counter(words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+                                               for words in instructions(part))
     counts[path] = {"all": opcodes(lines), "loop": None if header is None else opcodes(lines[header + 1:back])}
 print(json.dumps(counts))
 """
@@ -158,3 +161,42 @@ def _kernel_arguments(path: Path) -> list[str]:
     """The argument names of the generated module's Triton kernel."""
     header = re.search(r"def _helion_\w+\(([^)]*)\)", path.read_text()).group(1)
     return [argument.split(":")[0].strip() for argument in header.split(",")]
+
+
+@pytest.mark.parametrize("block_k", [64, 128])
+def test_the_int4_k_loop_dequantizes_by_bit_operations(block_k, tmp_path):
+    """``int4_gemm_kernel`` with the PTX dequantization the wrapper picks on CUDA for bf16 (8 rows, 16 x 64 x
+    ``block_k`` bytes, pairs split in registers): each K step makes its bf16 weights with prmt, lop3 and
+    packed bf16x2 FMAs, two values an instruction, and no integer-to-float conversion or scalar bf16
+    arithmetic. Where the K block lies in one group (64 bytes, groups of 128, ``group_steps``) the step
+    loads its scales once; gathered per byte they took one 2-byte load per byte a thread."""
+    import helion.language as hl
+
+    from helion_backend.kernels.int4_nibbles import int4_nibbles_bf16_ptx
+    from helion_backend.kernels.quant_gemm import _steps_within_groups, int4_gemm_kernel
+
+    rows, n, k, group, stages = 8, 1024, 4096, 128, 3
+    config = helion.Config(block_sizes=[16, 64, block_k], num_warps=4, num_stages=stages, split_k=1,
+                           indexing="pointer")
+    group_steps = _steps_within_groups(config, group // 2)
+    assert group_steps == (block_k == 64)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    scales = torch.randn(n, k // group).to(torch.bfloat16)
+    out = torch.empty(1, rows, n, dtype=torch.bfloat16)
+    args = (x.reshape(rows, k // 2, 2), packed.t(), scales.t(), out, [], [], hl.constexpr(True),
+            hl.constexpr(group_steps), int4_nibbles_bf16_ptx, tile_epilogue(()))
+    path = tmp_path / "int4.py"
+    path.write_text(int4_gemm_kernel.bind(args).to_triton_code(config))
+    # The split's K extent (all of K) and the pairs' width are the kernel's constexpr arguments.
+    constants = {name: k // 2 if name.startswith("_BLOCK_SIZE") else 2
+                 for name in _kernel_arguments(path) if name.startswith(("_BLOCK_SIZE", "_RDIM_SIZE"))}
+    pointers = {"x_pairs": "*bf16", "packed": "*u8", "scales": "*bf16", "out": "*bf16"}
+    counts = _ptx_counts({str(path): {"pointers": pointers, "constants": constants, "num_stages": stages}})
+    (step,) = _k_steps(counts[str(path)])
+    bytes_a_thread = 64 * block_k // 128  # a [block_k, 64] tile of bytes over 128 threads
+    assert step.get("fma.rn.bf16x2", 0) == 2 * bytes_a_thread, step  # a byte's two values: zero point, scale
+    assert step.get("lop3.b32", 0) == bytes_a_thread, step  # two values' mantissas set at once
+    assert not any(op.startswith(("cvt.rn.bf16", "cvt.rn.f32.u", "sub.bf16", "mul.bf16")) for op in step), step
+    scale_loads = step.get("ld.global.b16", 0)
+    assert scale_loads <= 2 if group_steps else scale_loads == bytes_a_thread, step

@@ -132,28 +132,41 @@ def test_one_byte_gemms_try_64_row_tiles(kernel):
 
 
 def test_int4_tries_each_block_with_both_activation_loads():
-    from helion_backend.kernels.configs import PAIRED_LOADS
+    from helion_backend.kernels.configs import PAIRED_LOADS, SWAP_AB
 
     candidates = candidates_for(sweep.sweep_keys("gemm_int4", ["qwen3_8b"], [8])[0])
-    paired = {helion.Config(**{k: v for k, v in c.items() if k != PAIRED_LOADS})
-              for c in candidates if c.get(PAIRED_LOADS)}
-    assert paired and paired == {c for c in candidates if not c.get(PAIRED_LOADS)}
+    assert not any(c.get("gemv") for c in candidates)  # the GEMV form only at one row
+    tiles = [c for c in candidates if not c.get(SWAP_AB)]
+    paired = {helion.Config(**{k: v for k, v in c.items() if k != PAIRED_LOADS}) for c in tiles if c.get(PAIRED_LOADS)}
+    assert paired and paired == {c for c in tiles if not c.get(PAIRED_LOADS)}
 
 
-@pytest.mark.parametrize("family", ["gemm", "gemm_fp8", "gemm_int8", "gemm_weight_only"])
+@pytest.mark.parametrize("m", [1, 8, 32])
+def test_int4_tries_its_swapped_form_at_every_decode_m(m):
+    """``swap_ab`` (``swapped_int4_gemm_kernel``) at every M, each of its tiles once (32-row ones from 17
+    rows), K blocks in bytes."""
+    from helion_backend.kernels.configs import SWAP_AB
+    from helion_backend.tuning.candidates import INT4_SWAPPED_CANDIDATES
+
+    swapped = [c for c in candidates_for(sweep.sweep_keys("gemm_int4", ["qwen3_8b"], [m])[0]) if c.get(SWAP_AB)]
+    tried = [(*c["block_sizes"], c["num_warps"], c["num_stages"], c["split_k"], c["indexing"]) for c in swapped]
+    assert sorted(tried) == sorted(row for row in INT4_SWAPPED_CANDIDATES if row[0] <= 16 or m > 16)
+    assert max(c["block_sizes"][2] for c in swapped) <= 256
+
+
+@pytest.mark.parametrize("family", ["gemm", "gemm_fp8", "gemm_int8", "gemm_weight_only", "gemm_int4"])
 def test_the_single_gemms_try_gemv_tiles_at_one_row(family):
-    """At one row the single GEMM, 16-bit or on one-byte weights, also tries the GEMV form (``gemv``), with N
-    tiles down to one column and no split-K; not from two rows."""
+    """At one row the single GEMM, 16-bit or on one-byte or int4 weights, also tries the GEMV form (``gemv``),
+    with N tiles down to one column and no split-K; not from two rows."""
     one_row = gemv_configs(family, 1)
     assert one_row and min(c["block_sizes"][1] for c in one_row) == 1
     assert all(c["split_k"] == 1 for c in one_row)
     assert not gemv_configs(family, 2)
 
 
-@pytest.mark.parametrize("family", ["gemm_glu", "gemm_multi", "gemm_glu_fp8", "gemm_multi_fp8", "gemm_int4",
-                                    "gemm_fp8_block"])
+@pytest.mark.parametrize("family", ["gemm_glu", "gemm_multi", "gemm_glu_fp8", "gemm_multi_fp8", "gemm_fp8_block"])
 def test_kernels_without_a_gemv_form_try_none(family):
-    """The gated and shared-launch kernels always dot, and int4's and block fp8's wrappers have no GEMV."""
+    """The gated and shared-launch kernels always dot, and block fp8's wrapper has no GEMV."""
     assert not gemv_configs(family, 1)
 
 
@@ -169,7 +182,7 @@ def test_the_one_byte_gemms_try_swapped_tiles(family):
         assert min(c["block_sizes"][1] for c in swapped) >= 64 and not any(c.get("gemv") for c in swapped)
 
 
-@pytest.mark.parametrize("family", ["gemm", "gemm_glu", "gemm_multi", "gemm_glu_fp8", "gemm_multi_fp8", "gemm_int4",
+@pytest.mark.parametrize("family", ["gemm", "gemm_glu", "gemm_multi", "gemm_glu_fp8", "gemm_multi_fp8",
                                     "gemm_fp8_block"])
 def test_kernels_without_a_swapped_form_try_none(family):
     from helion_backend.kernels.configs import SWAP_AB

@@ -64,6 +64,17 @@ def restore_inductor_config(monkeypatch):
     monkeypatch.setattr(config.triton, "unique_kernel_names", config.triton.unique_kernel_names)
 
 
+@pytest.fixture(autouse=True)
+def int8_as_cuda_runs_it(monkeypatch):
+    """torchao's int8 matmul on the CPU depends on the host: with AVX512-VNNI and no AMX (torch >= 2.12) it
+    shifts the rows to uint8 and subtracts a correction after ``_int_mm`` (u8s8), else it multiplies the
+    int8 rows as CUDA does (s8s8). The tests pin the s8s8 form, on any host;
+    ``test_int8_dynamic_u8s8_form_stays_with_inductor_and_says_why`` runs the other."""
+    from torchao.kernel import intmm
+
+    monkeypatch.setattr(intmm, "_cpu_is_vnni_supported", lambda: False)
+
+
 def fp8_per_row():
     """torchao's fp8 dynamic per-token activation / per-channel weight layer, through ``torch._scaled_mm``
     (``KernelPreference.TORCH``; AUTO would pick an MSLK kernel where that package is installed)."""
@@ -131,6 +142,31 @@ def test_int8_dynamic_fuses_with_the_rounding_between_its_scales(dtype):
     with torch.no_grad():
         inductor = torch.compile(copy.deepcopy(model))(x)
     torch.testing.assert_close(out, inductor, rtol=1.6e-2, atol=1e-2)
+
+
+def test_int8_dynamic_u8s8_form_stays_with_inductor_and_says_why(monkeypatch):
+    """torchao's u8s8 CPU form (rows shifted by 128 to uint8, ``_int_mm``, then the weight's column sums times
+    128 subtracted) is not an int8 x int8 GEMM: each site stays with Inductor, its report names the uint8
+    input, and the model still computes what eager torchao does."""
+    from torchao.kernel import intmm
+
+    monkeypatch.setattr(intmm, "_cpu_is_vnni_supported", lambda: True)
+    monkeypatch.setattr(intmm, "_cpu_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(intmm, "torch_version_at_least", lambda version: True)
+    # The tensor subclass's matmul is traced by AOTAutograd, under the same Dynamo graph as the s8s8 form:
+    # neither Dynamo's guards nor AOTAutograd's cache key see the host checks, so both are bypassed.
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    model = quantized_mlp(Int8DynamicActivationInt8WeightConfig(), torch.float32)
+    x = torch.randn(4, K)
+    with torch.no_grad():
+        expected = model(x)
+        out, reports = compile_run(copy.deepcopy(model), x, options=CPU_REWRITE)
+    assert sites(reports) == []
+    unfused = [gemm for report in reports for gemm in report.unfused_gemms]
+    assert [gemm.op for gemm in unfused] == ["aten._int_mm.default"] * 2, unfused
+    assert all("torch.uint8" in gemm.reason for gemm in unfused), unfused
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_int8_dynamic_activation_quantization_says_why_it_stays_with_inductor():

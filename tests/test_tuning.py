@@ -471,8 +471,8 @@ def test_every_family_searches_its_own_keys_and_records_the_table_layout(kernel,
 
     splits = [{"split_k": s} for s in configs.split_k_choices(k.k)]
     # prequantize is searched where the kernel quantizes the rows (block fp8's always does), a pre-quantized
-    # site keeping today's; paired_loads for int4; swap_ab for fp8, int8 and weight-only, never on rows the
-    # kernel would quantize.
+    # site keeping today's; paired_loads for int4; swap_ab for fp8, int8, int8 and int4 weight-only, never on
+    # rows the kernel would quantize nor with int4's paired_loads.
     def with_both(ours: str) -> list[dict]:
         return [{**s, ours: value} for s in splits for value in (False, True)]
 
@@ -481,7 +481,9 @@ def test_every_family_searches_its_own_keys_and_records_the_table_layout(kernel,
                            for w in (False, True) if p or not w]
     expected = {"gemm_glu": [{}], "gemm_multi": [{}], "gemm_fp8": prequantize_swapped if fused else swapped,
                 "gemm_int8": prequantize_swapped if fused else swapped, "gemm_weight_only": swapped,
-                "gemm_fp8_block": with_both("prequantize"), "gemm_int4": with_both("paired_loads")}.get(kernel, splits)
+                "gemm_fp8_block": with_both("prequantize"),
+                "gemm_int4": [{**s, "paired_loads": p, "swap_ab": w} for s in splits for p in (False, True)
+                              for w in (False, True) if not (p and w)]}.get(kernel, splits)
     assert [dict(s.fixed) for s in searches] == expected
     best = problem.table_config(tuner(searches[0], "quick", 1), searches[0])
     ours = {"gemm_fp8_block": "prequantize", "gemm_int4": "paired_loads"}.get(kernel, "prequantize")
@@ -522,13 +524,16 @@ def test_the_16_bit_gemm_searches_its_gemv_form_at_one_row_only(m, ours):
      {"prequantize", "gemv", "swap_ab"}),
     (TuneKey("gemm_weight_only", ("channel_scale",), "bfloat16", 256, 256, 1, prologue=("dequant_int8",)),
      {"gemv", "swap_ab"}),
-    (TuneKey("gemm_int4", (), "bfloat16", 256, 256, 1, prologue=("dequant_int4",)), {"paired_loads"}),
+    (TuneKey("gemm_int4", (), "bfloat16", 256, 256, 1, prologue=("dequant_int4",)),
+     {"paired_loads", "gemv", "swap_ab"}),
+    (TuneKey("gemm_int4", (), "bfloat16", 256, 256, 2, prologue=("dequant_int4",)),
+     {"paired_loads", "swap_ab"}),
     (TuneKey("gemm_fp8_block", (), "bfloat16", 256, 256, 8, prologue=("quant_fp8_per_group", "dequant_fp8_block")),
      {"prequantize"}),
 ])
 def test_the_quantized_gemms_search_the_gemv_at_one_row_and_the_swap(tune_key, ours):
     """fp8, int8 and weight-only int8 also run the GEMV kernel at one row and the swapped kernel at any M, both
-    on rows quantized first; int4 and block fp8 have neither."""
+    on rows quantized first; int4 both on its packed weight; block fp8 neither."""
     assert set(tuning_problems.wrapper_keys(tune_key)) == ours
 
 

@@ -31,7 +31,13 @@ weight's, not a few rows padded to 64.
 dequantizes each block in registers exactly as the graph did (nibble, minus the zero point, times the
 scale, rounded to the activation's dtype) before the tensor cores multiply it in that dtype. The config
 key ``paired_loads`` (ours) reads the activation's even and odd columns as contiguous pairs instead of two
-stride-2 views.
+stride-2 views. At one row the config key ``gemv`` runs ``int4_gemv_kernel`` instead: the same
+dequantization, products in fp32 summed over K after the loop (no dot, so N tiles down to one column), the
+weight read as the layer stores it, [N, K/2] bytes along contiguous K. The config key ``swap_ab`` runs
+``swapped_int4_gemm_kernel``: the same weight read the same way, multiplied as ``w @ x.T`` so that its rows
+fill the dot's 64-row side. On CUDA, for bf16 and fp16 activations, all three dequantize by bit operations
+(inline PTX, :mod:`.int4_nibbles`), with the graph's values bit for bit; where the K block lies in one
+group of scales they read one row of scales a step instead of gathering each byte's.
 
 ``block_fp8_gemm_kernel`` quantizes each 1 x B group of the activation in its K loop, one group a step.
 With ``prequantize`` block fp8 runs two kernels instead: ``dequantize_groups_kernel`` quantizes every group
@@ -62,9 +68,11 @@ from helion_backend.kernels.gemm import (
     compiled_kernel,
     finish_split_k,
     gemv_helion,
+    gemv_kernel_config,
     split_k_target,
     tile_epilogue,
 )
+from helion_backend.kernels.int4_nibbles import int4_dequantizer
 from helion_backend.semantics import quant_program as program_module
 from helion_backend.semantics.quant_program import QuantProgram
 from helion_backend.vocabulary import (
@@ -73,9 +81,6 @@ from helion_backend.vocabulary import (
     FP8_BLOCK_FAMILY,
     FP8_FAMILY,
     INT4_FAMILY,
-    INT4_HIGH_SHIFT,
-    INT4_LOW_MASK,
-    INT4_ZERO_POINT,
     QUANT_DTYPES,
     SUPPORTED_DTYPES,
     TOKEN_SCALE,
@@ -85,6 +90,7 @@ from helion_backend.vocabulary import (
 QUANTIZE_ROWS_CONFIG = helion.Config(block_sizes=[1, 1024, 1024], num_warps=4, num_stages=2)
 # Block fp8's groups: eight groups of one row a program (1024 values, as a row program above reads per step).
 DEQUANTIZE_GROUPS_CONFIG = helion.Config(block_sizes=[1, 8], num_warps=4, num_stages=1)
+
 
 
 @helion.kernel(static_shapes=True, autotune_effort="none")
@@ -220,6 +226,8 @@ def int4_gemm_kernel(
     operands: list[torch.Tensor],
     scalars: list[float],
     paired_loads: bool,
+    group_steps: bool,
+    nibbles: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     epilogue: Callable[..., torch.Tensor],
 ) -> None:
     """``out[0] = epilogue(x @ dequant(packed, scales))`` with ``split_k == 1``; else ``out[i]`` = split i's part.
@@ -230,7 +238,9 @@ def int4_gemm_kernel(
     [K/G, N]; each byte row reads the scale of its group, which holds both its columns (G is even).
     ``paired_loads`` (a compile-time constant, ``hl.constexpr``) loads each [block_m, block_k, 2] tile of
     pairs and splits it in registers; else the even and odd columns are loaded apart, as two stride-2 views,
-    one value a load.
+    one value a load. ``nibbles`` dequantizes a tile of bytes with their scales (:mod:`.int4_nibbles`).
+    ``group_steps`` (``hl.constexpr``, where the K block divides a group) reads one row of scales a step
+    instead of gathering each byte's.
     """
     m, k_bytes, _ = x_pairs.size()
     n = packed.size(1)
@@ -241,9 +251,11 @@ def int4_gemm_kernel(
         acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
         for tile_k in hl.tile(tile_split.begin, tile_split.end):
             pair = packed[tile_k, tile_n]
-            scale = scales[tile_k.index // group_bytes, tile_n]
-            low = ((pair & INT4_LOW_MASK).to(x_pairs.dtype) - INT4_ZERO_POINT) * scale
-            high = ((pair >> INT4_HIGH_SHIFT).to(x_pairs.dtype) - INT4_ZERO_POINT) * scale
+            if group_steps:
+                scale = scales[tile_k.begin // group_bytes, tile_n][None, :]
+            else:
+                scale = scales[tile_k.index // group_bytes, tile_n]
+            low, high = nibbles(pair, scale)
             if paired_loads:
                 x_even, x_odd = hl.split(x_pairs[tile_m, tile_k, :])
             else:
@@ -254,6 +266,83 @@ def int4_gemm_kernel(
         if split_k == 1:
             result = epilogue(result, operands, scalars, tile_m, tile_n)
         out[tile_split.id, tile_m, tile_n] = result.to(out.dtype)
+
+
+@helion.kernel(static_shapes=True, autotune_effort="none", dot_precision="ieee")
+def swapped_int4_gemm_kernel(
+    x_pairs: torch.Tensor,
+    packed_nk: torch.Tensor,
+    scales_ng: torch.Tensor,
+    out: torch.Tensor,
+    operands: list[torch.Tensor],
+    scalars: list[float],
+    group_steps: bool,
+    nibbles: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    epilogue: Callable[..., torch.Tensor],
+) -> None:
+    """``int4_gemm_kernel`` with the operands swapped, as ``swapped_lowp_gemm_kernel`` does for one-byte
+    weights: each program computes ``dequant(packed_nk) @ x.T`` for an [N block, M block] tile, then
+    transposes it for the epilogue and the store. The weight is read as the layer stores it ([N, K/2] bytes,
+    contiguous along K, with its [N, K/G] scales) and fills the dot's 64-row side; x's even and odd columns
+    come as pairs (``x_pairs``, x seen as [M, K/2, 2]). Block sizes [M, N, K], K in bytes."""
+    m, k_bytes, _ = x_pairs.size()
+    n = packed_nk.size(0)
+    group_bytes = k_bytes // scales_ng.size(1)
+    block_m, block_n, block_k = hl.register_block_size(m), hl.register_block_size(n), hl.register_block_size(k_bytes)
+    split_k = hl.register_tunable("split_k", PowerOfTwoFragment(1, 64, 1))
+    k_per_split = helion.cdiv(helion.cdiv(k_bytes, split_k), 256) * 256
+    for tile_n, tile_m, tile_split in hl.tile([n, m, k_bytes], block_size=[block_n, block_m, k_per_split]):
+        acc = hl.zeros([tile_n, tile_m], dtype=torch.float32)
+        for tile_k in hl.tile(tile_split.begin, tile_split.end, block_size=block_k):
+            pair = packed_nk[tile_n, tile_k]
+            if group_steps:
+                scale = scales_ng[tile_n, tile_k.begin // group_bytes][:, None]
+            else:
+                scale = scales_ng[tile_n, tile_k.index // group_bytes]
+            low, high = nibbles(pair, scale)
+            x_even, x_odd = hl.split(x_pairs[tile_m, tile_k, :])
+            acc = hl.dot(low, x_even.T, acc=acc)
+            acc = hl.dot(high, x_odd.T, acc=acc)
+        result = acc.T
+        if split_k == 1:
+            result = epilogue(result, operands, scalars, tile_m, tile_n)
+        out[tile_split.id, tile_m, tile_n] = result.to(out.dtype)
+
+
+@helion.kernel(static_shapes=True, autotune_effort="none")
+def int4_gemv_kernel(
+    x_even: torch.Tensor,
+    x_odd: torch.Tensor,
+    packed_nk: torch.Tensor,
+    scales_ng: torch.Tensor,
+    out: torch.Tensor,
+    operands: list[torch.Tensor],
+    scalars: list[float],
+    group_steps: bool,
+    nibbles: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    epilogue: Callable[..., torch.Tensor],
+) -> None:
+    """``out = epilogue(x @ dequant(packed_nk, scales_ng).T)`` without a tensor-core dot, for decode's one row:
+    :func:`.gemm.gemv_kernel`'s form on the int4 weight. ``packed_nk`` is the layer's [N, K/2] bytes (loads
+    along contiguous K), ``scales_ng`` its [N, K/G] scales; ``x_even`` and ``x_odd`` are x's even and odd
+    columns seen as [M, N, K/2], stride 0 along N, so each thread loads the x values its bytes multiply.
+    Each byte is dequantized as the graph does (nibble, minus the zero point, times the scale, in x's
+    dtype), then both its products are taken in fp32. Block sizes [M, N, K], K in bytes; no split-K."""
+    m, n, k_bytes = x_even.size()
+    group_bytes = k_bytes // scales_ng.size(1)
+    block_m, block_n, block_k = hl.register_block_size(m), hl.register_block_size(n), hl.register_block_size(k_bytes)
+    for tile_m, tile_n in hl.tile([m, n], block_size=[block_m, block_n]):
+        products = hl.zeros([tile_m, tile_n, block_k], dtype=torch.float32)
+        for tile_k in hl.tile(k_bytes, block_size=block_k):
+            pair = packed_nk[tile_n, tile_k]
+            if group_steps:
+                scale = scales_ng[tile_n, tile_k.begin // group_bytes][:, None]
+            else:
+                scale = scales_ng[tile_n, tile_k.index // group_bytes]
+            low, high = nibbles(pair, scale)
+            products = (products + x_even[tile_m, tile_n, tile_k].to(torch.float32) * low.to(torch.float32)[None, :, :]
+                        + x_odd[tile_m, tile_n, tile_k].to(torch.float32) * high.to(torch.float32)[None, :, :])
+        out[tile_m, tile_n] = epilogue(products.sum(-1), operands, scalars, tile_m, tile_n).to(out.dtype)
 
 
 @helion.kernel(static_shapes=True, autotune_effort="none")
@@ -455,14 +544,50 @@ def int4_gemm_helion(
     if config is None:
         config = config_for(m, k, n, x.dtype, x.device, config_dir, INT4_FAMILY)
     paired, config = split_key(config, PAIRED_LOADS)
-    epilogue = tile_epilogue(steps)
+    gemv, config = split_key(config, GEMV)
+    epilogue, nibbles = tile_epilogue(steps), int4_dequantizer(x)
+    group_steps = _steps_within_groups(config, k // 2 // group_scales.shape[1])
+    dequant = (hl.constexpr(group_steps), nibbles)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if gemv:
+        return _int4_gemv(x, packed_kn, group_scales, out, operands, scalars, group_steps, nibbles, epilogue, sig,
+                          config)
+    swap_ab, config = split_key(config, SWAP_AB)
     split_k = config.get("split_k", 1)
     target = split_k_target(out, k // 2, split_k)
-    scales_kn = group_scales.t()
-    args = (x.reshape(m, k // 2, 2), packed_kn, scales_kn, target, operands, scalars, hl.constexpr(paired), epilogue)
-    compiled_kernel(int4_gemm_kernel, args, (sig, Layout.of(scales_kn), paired), config, target.shape[0])(*args)
+    x_pairs = x.reshape(m, k // 2, 2)
+    if swap_ab:
+        kernel, args = swapped_int4_gemm_kernel, (x_pairs, packed_kn.t(), group_scales, target, operands, scalars,
+                                                  *dequant, epilogue)
+        variant = (sig, Layout.of(group_scales), group_steps, nibbles.__name__)
+    else:
+        scales_kn = group_scales.t()
+        kernel, args = int4_gemm_kernel, (x_pairs, packed_kn, scales_kn, target, operands, scalars,
+                                          hl.constexpr(paired), *dequant, epilogue)
+        variant = (sig, Layout.of(scales_kn), paired, group_steps, nibbles.__name__)
+    compiled_kernel(kernel, args, variant, config, target.shape[0])(*args)
     return finish_split_k(target, out, split_k, sig, operands, scalars, epilogue)
+
+
+def _int4_gemv(x: torch.Tensor, packed_kn: torch.Tensor, group_scales: torch.Tensor, out: torch.Tensor,
+               operands: list[torch.Tensor], scalars: list[float], group_steps: bool,
+               nibbles: Callable[..., tuple[torch.Tensor, torch.Tensor]], epilogue: Callable[..., torch.Tensor],
+               sig: Signature, config: helion.Config) -> torch.Tensor:
+    """``out`` from :func:`int4_gemv_kernel` (config key ``gemv``, taken out of ``config``)."""
+    (m, k), n = x.shape, packed_kn.shape[1]
+    x_even, x_odd = (x[:, parity::2][:, None, :].expand(m, n, k // 2) for parity in (0, 1))
+    args = (x_even, x_odd, packed_kn.t(), group_scales, out, operands, scalars, hl.constexpr(group_steps), nibbles,
+            epilogue)
+    variant = (sig, Layout.of(group_scales), group_steps, nibbles.__name__)
+    compiled_kernel(int4_gemv_kernel, args, variant, gemv_kernel_config(config), 1)(*args)
+    return out
+
+
+def _steps_within_groups(config: helion.Config, group_bytes: int) -> bool:
+    """Whether every K step of ``config`` lies in one group of scales: its K block (bytes) divides the
+    group's bytes (the steps start at multiples of the block, split-K's parts at multiples of 256 bytes)."""
+    block_k = config["block_sizes"][2]
+    return block_k <= group_bytes and group_bytes % block_k == 0
 
 
 def _check_int4_inputs(x: torch.Tensor, packed_kn: torch.Tensor, group_scales: torch.Tensor) -> None:

@@ -119,7 +119,28 @@ INT4_CANDIDATES = (
     (16, 128, 64, 8, 3, 1, "pointer"),
     (32, 32, 128, 4, 3, 1, "pointer"),
     (32, 64, 64, 4, 4, 2, "pointer"),
+    # One group of 128 (64 bytes) a step, or half of one: a step reads one row of scales (``group_steps``)
+    # instead of each byte's, so wider N tiles and deeper pipelines.
+    (16, 32, 64, 4, 4, 1, "pointer"),
+    (16, 64, 64, 4, 4, 2, "pointer"),
+    (16, 128, 64, 4, 4, 1, "pointer"),
+    (16, 256, 64, 8, 3, 1, "pointer"),
+    (16, 128, 32, 4, 5, 1, "pointer"),
 )
+# int4 at one row as a GEMV (``gemv``: ``int4_gemv_kernel``): the 16-bit GEMV's tiles with K blocks in bytes,
+# half as deep, so that a step makes as many products (two a byte) and holds as many accumulators; then
+# one-group steps (64 bytes) over wider N tiles.
+INT4_GEMV_CANDIDATES = (*((bm, bn, bk // 2, w, s, sk, ix) for bm, bn, bk, w, s, sk, ix in GEMV_CANDIDATES),
+                        (16, 16, 64, 4, 3, 1, "pointer"), (16, 32, 64, 4, 3, 1, "pointer"),
+                        (16, 64, 64, 8, 3, 1, "pointer"))
+# int4 with the operands swapped (``swap_ab``: ``swapped_int4_gemm_kernel``): the one-byte swapped tiles, K
+# blocks in bytes, half as deep, and one-group steps.
+INT4_SWAPPED_CANDIDATES = ((16, 64, 128, 4, 4, 1, "pointer"), (16, 64, 128, 4, 3, 2, "pointer"),
+                           (16, 64, 256, 4, 3, 1, "pointer"), (16, 128, 128, 4, 3, 1, "pointer"),
+                           (16, 128, 128, 8, 3, 2, "pointer"), (32, 64, 128, 4, 4, 1, "pointer"),
+                           (32, 128, 128, 8, 3, 1, "pointer"), (16, 64, 64, 4, 4, 4, "pointer"),
+                           (16, 64, 64, 4, 4, 1, "pointer"), (16, 128, 64, 4, 4, 1, "pointer"),
+                           (16, 128, 64, 8, 4, 1, "pointer"), (16, 256, 64, 8, 3, 1, "pointer"))
 # Block fp8: the K block is always one group (FP8_BLOCK), so only the M and N tiles, warps, stages and
 # splits vary.
 BLOCK_FP8_CANDIDATES = tuple(
@@ -197,9 +218,12 @@ def wgmma_candidates(m: int, n: int, one_row: bool = False, **extra: object) -> 
 
 
 def int4_candidates(key: TuneKey) -> list[helion.Config]:
-    """int4's own K blocks, each also with ``paired_loads``."""
+    """int4's own K blocks, each also with ``paired_loads``, then its swapped form; at one row also its GEMV
+    form."""
     m, n = key.m, key.n
-    return candidate_configs(m, n, INT4_CANDIDATES) + candidate_configs(m, n, INT4_CANDIDATES, **{PAIRED_LOADS: True})
+    gemv = candidate_configs(m, n, INT4_GEMV_CANDIDATES, **{GEMV: True}) if GEMV in wrapper_keys(key) else []
+    return (candidate_configs(m, n, INT4_CANDIDATES) + candidate_configs(m, n, INT4_CANDIDATES, **{PAIRED_LOADS: True})
+            + candidate_configs(m, n, INT4_SWAPPED_CANDIDATES, **{SWAP_AB: True}) + gemv)
 
 
 def block_fp8_candidates(key: TuneKey) -> list[helion.Config]:

@@ -169,6 +169,9 @@ class Problem:
                 continue
             if (fixed.get(GEMV) or fixed.get(SWAP_AB)) and fixed.get(PREQUANTIZE) is False:
                 continue
+            # int4's GEMV and swapped kernels read the rows their own way; paired_loads is the tiled kernel's.
+            if (fixed.get(GEMV) or fixed.get(SWAP_AB)) and fixed.get(PAIRED_LOADS):
+                continue
             seed = helion.Config(**{**self.current, **fixed})
             searches.append(Search(fixed, seed, functools.partial(gemm_launch, self.run, seed)))
         return searches
