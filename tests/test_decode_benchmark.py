@@ -120,6 +120,26 @@ def test_smoke_run_writes_every_row_within_tolerance(tmp_path):
     assert "## Summary" in table and all(f"## {fmt} " in table for fmt in plan.formats)
 
 
+def test_smoke_run_of_the_int4_model_fuses_every_linear(tmp_path):
+    """``--formats int4_weight_only``: every linear of the smoke decoder (q, k, v, o, gate, up, down, the LM
+    head) is an int4 site with its ``dequant_int4`` prologue, and the logits are within the format's
+    tolerances of the eager int4 model and of the eager bf16 one."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           "HELION_INDUCTOR_CACHE_DIR": str(tmp_path / "backend")}
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode.py"), "--smoke", "--formats",
+                             "int4_weight_only", "--out-dir", str(tmp_path)],
+                            capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    data = json.loads((tmp_path / "cpu_decode.json").read_text())
+    (row,) = [row for row in data["rows"] if row["variant"] == decode.HELION]
+    assert row["error"] is None and decode.row_is_correct(row), row
+    assert row["rel_err"] <= decode.TOLERANCES["int4_weight_only"], row["rel_err"]
+    assert row["rel_err_base"] <= decode.BASE_TOLERANCES["int4_weight_only"], row["rel_err_base"]
+    report = "\n".join(data["metadata"]["helion_reports"]["int4_weight_only"])
+    assert report.count("[int4_weight_only_linear]") == 7 * decode.SMOKE_CONFIG.layers + 1, report
+    assert report.count("dequant_int4 -> mm") == 7 * decode.SMOKE_CONFIG.layers + 1, report
+
+
 def test_interleaved_wall_times_rotate_the_variants_and_skip_each_turns_first_step():
     calls = []
     steps = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
