@@ -92,7 +92,6 @@ QUANTIZE_ROWS_CONFIG = helion.Config(block_sizes=[1, 1024, 1024], num_warps=4, n
 DEQUANTIZE_GROUPS_CONFIG = helion.Config(block_sizes=[1, 8], num_warps=4, num_stages=1)
 
 
-
 @helion.kernel(static_shapes=True, autotune_effort="none")
 def quant_gemm_kernel(
     x: torch.Tensor,
@@ -547,7 +546,6 @@ def int4_gemm_helion(
     gemv, config = split_key(config, GEMV)
     epilogue, nibbles = tile_epilogue(steps), int4_dequantizer(x)
     group_steps = _steps_within_groups(config, k // 2 // group_scales.shape[1])
-    dequant = (hl.constexpr(group_steps), nibbles)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if gemv:
         return _int4_gemv(x, packed_kn, group_scales, out, operands, scalars, group_steps, nibbles, epilogue, sig,
@@ -558,12 +556,12 @@ def int4_gemm_helion(
     x_pairs = x.reshape(m, k // 2, 2)
     if swap_ab:
         kernel, args = swapped_int4_gemm_kernel, (x_pairs, packed_kn.t(), group_scales, target, operands, scalars,
-                                                  *dequant, epilogue)
+                                                  hl.constexpr(group_steps), nibbles, epilogue)
         variant = (sig, Layout.of(group_scales), group_steps, nibbles.__name__)
     else:
         scales_kn = group_scales.t()
         kernel, args = int4_gemm_kernel, (x_pairs, packed_kn, scales_kn, target, operands, scalars,
-                                          hl.constexpr(paired), *dequant, epilogue)
+                                          hl.constexpr(paired), hl.constexpr(group_steps), nibbles, epilogue)
         variant = (sig, Layout.of(scales_kn), paired, group_steps, nibbles.__name__)
     compiled_kernel(kernel, args, variant, config, target.shape[0])(*args)
     return finish_split_k(target, out, split_k, sig, operands, scalars, epilogue)
