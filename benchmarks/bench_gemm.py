@@ -78,6 +78,7 @@ from benchmarks.common import (
     time_wallclock_us,
     write_result_files,
 )
+from benchmarks.peers import CUBLAS_BF16, PEER, PEER_VARIANTS, peer_call
 from helion_backend.quantize import QUANT_FORMATS
 
 
@@ -177,7 +178,7 @@ SMOKE_SUITE = "tiny"  # no model's shape: the config sweep leaves it out
 EPILOGUES = ("none", "bias", "bias_gelu_tanh", "silu", "residual")
 BIAS_EPILOGUES = ("bias", "bias_gelu_tanh")
 ALL_M = (1, 2, 4, 8, 16, 24, 32, 64, 128, 512, 2048)
-VARIANTS = ("eager", "compile", "max_autotune", "helion_inductor")
+VARIANTS = ("eager", "compile", "max_autotune", "helion_inductor", *PEER_VARIANTS)
 HELION = "helion_inductor"
 DECODE_MAX_M = 32  # summary split: decode (M <= 32), where the backend should win, and larger M
 
@@ -196,6 +197,11 @@ QUANT_TOLERANCES = {"fp8_dynamic": 0.1, "int8_dynamic": 0.04, "int8_weight_only"
 # this fraction of the HBM floor; above DECODE_MAX_M, no row slower than torch.compile by more than 2%.
 QUANT_SPEEDUP_TARGETS = {"fp8_dynamic": 1.8, "int8_dynamic": 1.6, "fp8_block": 1.5}
 FLOOR_FRACTION_TARGET = 0.75
+# Against the library kernels alone (benchmarks/peers.py), worst row at M <= DECODE_MAX_M (issue 28): int4 never
+# slower than tinygemm, and >= 2.5x faster than the bf16 GEMM it replaces (cuBLAS alone bounds the bf16 layer
+# under torch.compile from below).
+PEER_WORST_TARGETS = {"int4_weight_only": 1.0}
+BF16_CUBLAS_WORST_TARGETS = {"int4_weight_only": 2.5}
 # Shapes no table holds (issue 26, --hold-out): against torch.compile at M <= DECODE_MAX_M.
 HELD_OUT_GEOMEAN_TARGET = 1.05
 HELD_OUT_WORST_TARGET = 0.97
@@ -290,6 +296,7 @@ class LinearEpilogue(torch.nn.Module):
             return torch.nn.Parameter(data, requires_grad=False)
 
         self.epilogue = case.epilogue
+        self.quant = case.quant
         self.weight = uniform(case.n, case.k)
         self.bias = uniform(case.n) if case.epilogue in BIAS_EPILOGUES else None
         self.quantized = quantized_linear(case.quant, self.weight, self.bias) if case.quant else None
@@ -415,6 +422,7 @@ class VariantResult:
     compile_s: float | None = None
     error: str | None = None
     sites: str | None = None  # helion_inductor only: see helion_sites()
+    kernel: str | None = None  # a peer variant only: the library kernel it timed (benchmarks/peers.py)
 
 
 def worst_error(a: float | None, b: float) -> float:
@@ -462,6 +470,8 @@ def _measure_into(
 ) -> CapturedCalls | None:
     """Compile the variant afresh (the first call's time is its compile time), then check it and capture
     (GPU) or time (CPU) it."""
+    if variant in PEER_VARIANTS:
+        return _capture_peer(result, variant, workload, timing, device)
     torch._dynamo.reset()
     fns = [compile_variant(variant, module, device) for module in workload.modules]
     if variant == HELION:
@@ -509,6 +519,33 @@ def _check_and_capture(
     return captured
 
 
+def _capture_peer(
+    result: VariantResult, variant: str, workload: Workload, timing: TimingConfig, device: torch.device
+) -> CapturedCalls | None:
+    """A library GEMM alone (:mod:`benchmarks.peers`) on each copy's inputs, prepared once: checked against
+    the float64 product of those inputs, then captured (GPU) or timed (CPU). None, and no time, where the
+    format has no such kernel here."""
+    calls = [peer_call(variant, module.quant, module.weight, module.quantized, x)
+             for module, x in zip(workload.modules, workload.inputs)]
+    if calls[0] is None:
+        return None
+    result.kernel = calls[0].kernel
+
+    def step(i: int) -> torch.Tensor:
+        return calls[i % len(calls)].run()
+
+    result.rel_err = relative_error(step(0), calls[0].reference)
+    timing = dataclasses.replace(timing, warmup_calls=max(timing.warmup_calls, len(calls)))
+    if device.type != "cuda":
+        result.time_us = time_wallclock_us(step, timing)
+        return None
+    captured = capture_calls(step, timing)
+    captured.graph.replay()
+    synchronize(device)
+    result.rel_err = worst_error(result.rel_err, relative_error(captured.outputs[0], calls[0].reference))
+    return captured
+
+
 def run_case(
     case: GemmCase,
     variants: Sequence[str],
@@ -545,6 +582,7 @@ def run_case(
         "rel_err": {v: r.rel_err for v, r in results.items() if r.rel_err is not None},
         "compile_s": {v: r.compile_s for v, r in results.items() if r.compile_s is not None},
         "helion_sites": results[HELION].sites if HELION in results else None,
+        "kernels": {v: r.kernel for v, r in results.items() if r.kernel is not None},
         "floor_us": max(hbm_floor_us, flop_floor_us),
         "hbm_floor_us": hbm_floor_us,
         "flop_floor_us": flop_floor_us,
@@ -669,7 +707,8 @@ def quant_targets_table(quants: Sequence[str], rows: Sequence[dict]) -> list[str
     sizes, its worst case above, each against the suite's target."""
     small_m, large_m = f"M <= {DECODE_MAX_M}", f"M > {DECODE_MAX_M}"
     header = ["format", f"vs compile, {small_m}, geomean", f"fraction of the HBM floor, {small_m}, weight-bound",
-              f"the same, floor >= {LONG_FLOOR_US:g} us", f"vs compile, {large_m}, worst row"]
+              f"the same, floor >= {LONG_FLOOR_US:g} us", f"vs compile, {large_m}, worst row",
+              f"vs the peer alone, {small_m}, worst row", f"vs bf16 cuBLAS alone, {small_m}, worst row"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for quant in quants:
         mine = [row for row in rows if row.get("quant") == quant]
@@ -680,6 +719,8 @@ def quant_targets_table(quants: Sequence[str], rows: Sequence[dict]) -> list[str
             against_target(floor_fractions(decode), geomean, FLOOR_FRACTION_TARGET, percent=True),
             against_target(floor_fractions(long_floor_rows(decode)), geomean, None, percent=True),
             against_target(speedups(larger_rows(mine), "compile"), min, LARGE_M_WORST_TARGET),
+            against_target(speedups(decode, PEER), min, PEER_WORST_TARGETS.get(quant)),
+            against_target(speedups(decode, CUBLAS_BF16), min, BF16_CUBLAS_WORST_TARGETS.get(quant)),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -704,8 +745,9 @@ def format_ratio(row: dict, baseline: str) -> str:
 
 
 def table_lines(rows: Sequence[dict], variants: Sequence[str]) -> list[str]:
+    peers = [v for v in PEER_VARIANTS if v in variants]
     header = ["suite", "name", "M", "K", "N", "epilogue", "floor µs", *variants]
-    header += ["vs compile", "vs max_autotune", "% of floor", "helion sites"]
+    header += ["vs compile", "vs max_autotune", *(f"vs {v}" for v in peers), "% of floor", "helion sites"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         bound = "hbm" if row["hbm_floor_us"] >= row["flop_floor_us"] else "flop"
@@ -716,7 +758,8 @@ def table_lines(rows: Sequence[dict], variants: Sequence[str]) -> list[str]:
             f"{row['quant']}: {row['epilogue']}" if row.get("quant") else row["epilogue"],
             f"{row['floor_us']:.1f} {bound}",
             *(format_time(row, v) for v in variants),
-            format_ratio(row, "compile"), format_ratio(row, "max_autotune"), percent,
+            format_ratio(row, "compile"), format_ratio(row, "max_autotune"), *(format_ratio(row, v) for v in peers),
+            percent,
             row.get("helion_sites") or "-",
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
@@ -744,7 +787,11 @@ def summary_section(metadata: dict, rows: Sequence[dict]) -> list[str]:
         return [f"- {line}" for line in summary_lines(rows)]
     lines = ["Targets: vs torch.compile " + ", ".join(f"{q} >= {t:g}x" for q, t in QUANT_SPEEDUP_TARGETS.items())
              + f" (geomean, M <= {DECODE_MAX_M}); >= {100 * FLOOR_FRACTION_TARGET:.0f}% of the HBM floor on "
-             f"weight-bound rows; above M = {DECODE_MAX_M}, no row below {LARGE_M_WORST_TARGET:g}x of torch.compile.",
+             f"weight-bound rows; above M = {DECODE_MAX_M}, no row below {LARGE_M_WORST_TARGET:g}x of torch.compile; "
+             "against the library kernel alone (`peer`: tinygemm, `_scaled_mm`, `_int_mm`; `cublas_bf16`: the bf16 "
+             "GEMM, benchmarks/peers.py) at every row "
+             + ", ".join(f"{q} >= {t:g}x the peer" for q, t in PEER_WORST_TARGETS.items()) + ", "
+             + ", ".join(f"{q} >= {t:g}x bf16 cuBLAS" for q, t in BF16_CUBLAS_WORST_TARGETS.items()) + ".",
              "",
              *quant_targets_table(quants, rows), ""]
     for quant in quants:
@@ -797,7 +844,7 @@ def restate_floors(row: dict, measured: dict, ceilings: dict) -> dict:
     return {**row, "hbm_floor_us": hbm, "flop_floor_us": flop, "floor_us": max(hbm, flop)}
 
 
-PER_VARIANT_FIELDS = ("times_us", "errors", "rel_err", "compile_s")
+PER_VARIANT_FIELDS = ("times_us", "errors", "rel_err", "compile_s", "kernels")
 
 
 def merge_row(earlier: dict, later: dict) -> dict:
@@ -806,7 +853,8 @@ def merge_row(earlier: dict, later: dict) -> dict:
     measured = set(later["times_us"])
     merged = {**earlier, **later}
     for field in PER_VARIANT_FIELDS:
-        merged[field] = {**{v: x for v, x in earlier[field].items() if v not in measured}, **later[field]}
+        merged[field] = {**{v: x for v, x in earlier.get(field, {}).items() if v not in measured},
+                         **later.get(field, {})}
     if HELION not in measured:
         merged["helion_sites"] = earlier.get("helion_sites")
     return merged

@@ -38,6 +38,9 @@ What each row measures (one row per format, batch and variant):
   step, recorded behind a spin kernel that keeps the GPU busy until the host has queued the whole step,
   so that host time before the launch is not counted; median over ``--steps`` steps. Both figures are
   GPU time with no host gaps; the second also holds the trees' input copies (tokens, position).
+- ``kernels_per_step`` and ``copies_per_step``: the GPU kernels and the memory copies and sets of one step,
+  as the profiler records them over ``PROFILED_STEPS`` steps (CUPTI sees the kernels a CUDA graph
+  replays too): the launches that each pay a ramp even under CUDA graphs.
 - ``rel_err``: the relative Frobenius error ||logits - ref|| / ||ref|| against the eager model of the
   same format on the same input, the worse of two checks (the first call at position ``context``, and
   after timing, a new token batch at position ``context + 1``); for quantized formats also
@@ -64,7 +67,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -476,6 +479,8 @@ class RowResult:
     wall_method: str | None = None  # "interleaved" with the batch's other variants, or "alone"
     gpu_us: float | None = None
     gpu_method: str | None = None
+    kernels_per_step: float | None = None  # GPU kernels one step runs, counted by the profiler (CUDA only)
+    copies_per_step: float | None = None  # and its memory copies and sets (cudagraph trees' input copies)
     rel_err: float | None = None
     rel_err_base: float | None = None
     compile_s: float | None = None
@@ -597,10 +602,47 @@ def _measure_into(result: RowResult, variant: str, model: Decoder, inputs: Decod
 
 def time_one_device(result: RowResult, variant: str, timed: Callable[[], torch.Tensor], refs: References,
                     plan: Plan, device: torch.device) -> None:
-    """Wall time of a step alone, then its GPU time (:func:`_gpu_time`) on a GPU."""
+    """Wall time of a step alone, then its GPU time (:func:`_gpu_time`) and launches (:func:`launches_per_step`)
+    on a GPU."""
     result.wall_us, result.wall_method = wall_us(timed, plan.steps, device), "alone"
     if device.type == "cuda":
         _gpu_time(result, variant, timed, refs, plan)
+        result.kernels_per_step, result.copies_per_step = launches_per_step(timed, PROFILED_STEPS)
+
+
+# Steps the profiler records to count a step's launches (each the same step, so the count divides evenly).
+PROFILED_STEPS = 5
+_COPY_PREFIXES = ("Memcpy", "Memset")  # the names CUPTI gives memory copies and sets
+
+
+def launches_per_step(timed: Callable[[], torch.Tensor], steps: int) -> tuple[float | None, float | None]:
+    """GPU kernels and memory copies one step runs: what the profiler (CUPTI, which also sees the kernels
+    that a CUDA graph replays) records over ``steps`` steps, divided by ``steps``. (None, None) when it
+    records no GPU activity at all (a profiler that could not attach), rather than a count of zero."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            timed()
+        torch.cuda.synchronize()
+    kernels, copies = count_gpu_activity((event.device_type, event.name) for event in prof.events())
+    if kernels + copies == 0:
+        return None, None
+    return kernels / steps, copies / steps
+
+
+def count_gpu_activity(events: Iterable[tuple[Any, str]]) -> tuple[int, int]:
+    """(kernels, memory copies and sets) among profiler events given as (device type, name)."""
+    kernels = copies = 0
+    for device_type, name in events:
+        if device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if name.startswith(_COPY_PREFIXES):
+            copies += 1
+        else:
+            kernels += 1
+    return kernels, copies
 
 
 def _gpu_time(result: RowResult, variant: str, timed: Callable[[], torch.Tensor], refs: References,
@@ -706,8 +748,11 @@ def row_cells(row: dict) -> list[str]:
         diagnostics.append(row["helion_sites"])
     if row["wall_us"] is not None and row.get("wall_method") != "interleaved":
         diagnostics.append("wall alone")  # measured in a block of its own (runs before the turns, or a failed turn)
+    launches = format_number(row.get("kernels_per_step"), ".0f")
+    if row.get("copies_per_step"):
+        launches += f" + {row['copies_per_step']:.0f} copies"
     return [str(row["batch"]), row["variant"], format_number(row["wall_us"], ".1f"),
-            format_number(row["gpu_us"], ".1f"), err, status, format_number(row["compile_s"], ".1f"),
+            format_number(row["gpu_us"], ".1f"), launches, err, status, format_number(row["compile_s"], ".1f"),
             "; ".join(diagnostics) or "-"]
 
 
@@ -717,7 +762,7 @@ def format_section(fmt: str, rows: Sequence[dict]) -> list[str]:
     tolerance = f"tolerance {TOLERANCES[fmt]:g} against eager {fmt}"
     if fmt in BASE_TOLERANCES:
         tolerance += f", {BASE_TOLERANCES[fmt]:g} against eager {BASE_FORMAT}"
-    header = ["batch", "variant", "wall µs", "GPU µs", "rel err", "check", "compile s", "notes"]
+    header = ["batch", "variant", "wall µs", "GPU µs", "kernels / step", "rel err", "check", "compile s", "notes"]
     lines = [f"## {fmt} ({tolerance})", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     rank = {variant: i for i, variant in enumerate(VARIANTS)}
     for row in sorted(mine, key=lambda r: (r["batch"], rank.get(r["variant"], len(rank)))):
@@ -755,9 +800,13 @@ def markdown(metadata: dict, rows: Sequence[dict], title: str | None = None, pre
         f"{config['context']}; lm_head per format: `{metadata.get('lm_head')}`",
         f"- wall µs: {metadata['wall_method']}",
         f"- GPU µs: {metadata['gpu_method']}",
+        f"- kernels / step: GPU kernels (+ memory copies and sets) of one step, counted by torch.profiler "
+        f"(CUPTI) over {PROFILED_STEPS} steps",
         f"- rel err: {metadata['error_method']}",
         f"- compile s: {metadata['compile_method']}",
         f"- helion_inductor options besides the defaults: `{metadata.get('helion_options') or 'none'}`",
+        f"- Inductor config of every compiled variant besides the defaults: "
+        f"`{metadata.get('inductor_config') or 'none'}`",
         f"- rows run: {len(rows)}; skipped by the time budget: {len(metadata['skipped'])}"
         + ("" if metadata["complete"] else " (run incomplete)"),
         "",
@@ -827,6 +876,9 @@ class Plan:
     seed: int = 0
     # Backend options of the helion_inductor variant besides the defaults (extra rule files, limits).
     helion_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # Inductor config settings for every compiled variant alike (torch._inductor.config names, e.g.
+    # "triton.enable_pdl" or "combo_kernels"): to evaluate a setting against the same baselines.
+    inductor_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 # Times a checked, warmed-up step into a row: (result, variant, step, refs, plan, device).
@@ -879,6 +931,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                              "(e.g. my_rules.toml)")
     parser.add_argument("--helion-options", type=json.loads, metavar="JSON",
                         help="more helion_inductor options, e.g. '{\"rmsnorm_prologue_max_m\": 32}'")
+    parser.add_argument("--inductor-config", type=json.loads, metavar="JSON",
+                        help="torch._inductor.config settings for every compiled variant, e.g. "
+                             "'{\"triton.enable_pdl\": true}' or '{\"combo_kernels\": true}'")
     parser.add_argument("--tp", type=int, metavar="N",
                         help="tensor parallel over N GPUs of this host: N ranks started here, NCCL (gloo with "
                              "--device cpu); variants reduce_overhead,helion_inductor unless --variants "
@@ -916,7 +971,7 @@ def resolve_plan(args: argparse.Namespace) -> Plan:
         variants = TP_VARIANTS
     overrides = {"formats": args.formats, "batches": args.batch, "variants": variants, "device": args.device,
                  "steps": args.steps, "warmup": args.warmup, "seed": args.seed,
-                 "helion_options": helion_options(args)}
+                 "helion_options": helion_options(args), "inductor_config": args.inductor_config}
     return dataclasses.replace(plan, config=config, **{k: v for k, v in overrides.items() if v is not None})
 
 
@@ -932,6 +987,7 @@ def run_metadata_for(plan: Plan, device: torch.device) -> dict[str, object]:
         "warmup": plan.warmup,
         "seed": plan.seed,
         "helion_options": dict(plan.helion_options),
+        "inductor_config": dict(plan.inductor_config),
         "tolerances": {fmt: TOLERANCES[fmt] for fmt in plan.formats},
         "base_tolerances": {fmt: BASE_TOLERANCES[fmt] for fmt in plan.formats if fmt in BASE_TOLERANCES},
         "wall_method": WALL_METHOD,
@@ -992,7 +1048,7 @@ def run(plan: Plan, out_dir: Path, budget_s: float) -> Path:
 
     base = build_model(config, FLOAT_FORMATS[BASE_FORMAT], device, plan.seed)
     done = 0
-    with torch.no_grad():
+    with torch.no_grad(), torch._inductor.config.patch(dict(plan.inductor_config)):
         for fmt in plan.formats:
             if over_budget():
                 break

@@ -47,7 +47,7 @@ TOKEN_SCALE, CHANNEL_SCALE, TENSOR_SCALE = "token_scale", "channel_scale", "tens
 ACT_SCALE, UP_MUL, CAST = "act_scale", "up_mul", "cast"
 RELU, GELU, GELU_TANH, SILU, SIGMOID = "relu", "gelu", "gelu_tanh", "silu", "sigmoid"
 QUANT_FP8_PER_TOKEN, QUANT_INT8_PER_TOKEN = "quant_fp8_per_token", "quant_int8_per_token"
-DEQUANT_INT8, DEQUANT_INT4 = "dequant_int8", "dequant_int4"
+DEQUANT_INT8, DEQUANT_INT4, DEQUANT_INT4_ZP = "dequant_int8", "dequant_int4", "dequant_int4_zp"
 QUANT_FP8_PER_GROUP, DEQUANT_FP8_BLOCK = "quant_fp8_per_group", "dequant_fp8_block"
 # Transparent steps: views the matcher follows between a GEMM and its epilogue (Inductor's padding undone,
 # the 2-D <-> 3-D reshapes of F.linear). They compute nothing, and no rule names them.
@@ -99,7 +99,9 @@ ACTIVATION_QUANT_STEPS: dict[torch.dtype, str] = {
 }
 # The packed int4 weight format that ``dequant_int4`` reads (helion_backend.layers.quantize.Int4WeightOnlyLinear):
 # uint8 [N, K/2], byte j of a row holding column 2j in its low nibble and 2j + 1 in its high nibble,
-# values 0..15 standing for q - INT4_ZERO_POINT, and a [N, K/G] scale per group of G columns.
+# values 0..15 standing for q - INT4_ZERO_POINT, and a [N, K/G] scale per group of G columns. With zero
+# points (``dequant_int4_zp``), a [N, K/G, 2] tensor holds each group's scale and zero point, the value
+# standing for (q - zero) * scale.
 INT4_ZERO_POINT = 8
 INT4_LOW_MASK, INT4_HIGH_SHIFT = 15, 4  # p & 15 is the low nibble, p >> 4 the high one
 # Block fp8 (DeepSeek-V3): the activation quantized per 1 x FP8_BLOCK group along K, the weight scaled per
@@ -115,6 +117,9 @@ PROLOGUE_STEPS: dict[str, StepKind] = {
         StepKind(DEQUANT_INT8, Operand.NONE, "convert an int8 weight to the activation's dtype"),
         StepKind(DEQUANT_INT4, Operand.NONE, "unpack an int4 weight stored two per byte (low nibble first), "
                  f"subtract the zero point {INT4_ZERO_POINT} and multiply by its scale per group along K"),
+        StepKind(DEQUANT_INT4_ZP, Operand.NONE, "unpack an int4 weight stored two per byte (low nibble first), "
+                 "subtract its group's zero point and multiply by its group's scale ([N, K/G, 2] scales and "
+                 "zero points along K)"),
         StepKind(QUANT_FP8_PER_GROUP, Operand.NONE, f"quantize the activation to float8_e4m3fn with a dynamic "
                  f"scale per 1 x {FP8_BLOCK} group along K (amax over the group)"),
         StepKind(DEQUANT_FP8_BLOCK, Operand.NONE, f"scale a float8_e4m3fn weight per {FP8_BLOCK} x {FP8_BLOCK} "
@@ -185,7 +190,7 @@ KERNEL_FAMILIES: dict[str, FamilyContract] = {
         FamilyContract(FP8_FAMILY, ("float8_e4m3fn",), (ACTIVATION_QUANT_STEPS[torch.float8_e4m3fn],)),
         FamilyContract(INT8_FAMILY, ("int8",), (ACTIVATION_QUANT_STEPS[torch.int8],)),
         FamilyContract(WEIGHT_ONLY_FAMILY, tuple(SUPPORTED_DTYPES), ("dequant_int8",), needs_prologue=True),
-        FamilyContract(INT4_FAMILY, tuple(SUPPORTED_DTYPES), ("dequant_int4",), needs_prologue=True),
+        FamilyContract(INT4_FAMILY, tuple(SUPPORTED_DTYPES), (DEQUANT_INT4, DEQUANT_INT4_ZP), needs_prologue=True),
         FamilyContract(FP8_BLOCK_FAMILY, tuple(SUPPORTED_DTYPES), ("quant_fp8_per_group", "dequant_fp8_block"),
                        needs_prologue=True),
         FamilyContract(GLU_FAMILY, tuple(SUPPORTED_DTYPES), (RMSNORM,), needs_steps=("up_mul",)),

@@ -19,11 +19,10 @@ from benchmarks import bench_gemm  # noqa: E402
 from benchmarks.common import MERGED_COMMAND  # noqa: E402
 from helion_backend import tables  # noqa: E402
 from helion_backend.layers.quantize import QUANT_FORMATS  # noqa: E402
-from helion_backend.tuning.problems import QUANT_FORMAT_OF  # noqa: E402
-from helion_backend.vocabulary import KERNEL_FAMILIES  # noqa: E402
+from helion_backend.tuning.problems import QUANT_FORMAT_OF, quantized_site  # noqa: E402
 
 NEW_FORMATS = ("int4_weight_only", "fp8_block")
-PROLOGUE_OF = {fmt: KERNEL_FAMILIES[family].prologue for family, fmt in QUANT_FORMAT_OF.items()}
+FAMILY_OF = {fmt: family for family, fmt in QUANT_FORMAT_OF.items()}
 
 
 def test_every_quantize_format_is_offered_with_a_tolerance():
@@ -68,6 +67,68 @@ def test_a_variant_that_cannot_run_at_some_m_is_recorded_with_its_reason(monkeyp
     assert [bench_gemm.format_time(row, "compile") for row in rows] == ["err", f"{rows[1]['times_us']['compile']:.1f}"]
 
 
+@pytest.mark.parametrize("fmt, kernel", [("int4_weight_only", "tinygemm _weight_int4pack_mm"),
+                                         ("fp8_dynamic", "cuBLASLt _scaled_mm (row-wise scales)"),
+                                         ("int8_dynamic", "cuBLAS _int_mm (3 rows)"), ("fp8_block", None)])
+def test_peers_alone_are_measured_beside_each_row(fmt, kernel):
+    """The library kernel of the format (``peer``) and the bf16 GEMM (``cublas_bf16``), each alone on its
+    prepared inputs: checked against their float64 products, timed, named, and in the table beside the
+    backend's time; a format without a peer here gets no time and no error."""
+    ceilings, timing = bench_gemm.Ceilings(1e10, 1e12), bench_gemm.PRESETS["smoke"].timing
+    case = bench_gemm.GemmCase("tiny", "tiny", 3, 256, 128, "bias_gelu_tanh", torch.bfloat16, fmt)
+    with torch.no_grad():
+        row = bench_gemm.run_case(case, ("eager", "peer", "cublas_bf16"), ceilings, timing, torch.device("cpu"), 2)
+    assert not row["errors"], row["errors"]
+    assert row["kernels"] == {"cublas_bf16": "cuBLAS mm (bf16 weight)", **({"peer": kernel} if kernel else {})}
+    assert (row["times_us"]["peer"] is not None) == (kernel is not None)
+    assert row["times_us"]["cublas_bf16"] > 0 and row["rel_err"]["cublas_bf16"] < 1e-2
+    if kernel:
+        assert row["rel_err"]["peer"] < 1e-2, row["rel_err"]
+    row["times_us"][bench_gemm.HELION] = row["times_us"]["eager"]  # as if the backend's time
+    header, _, line = bench_gemm.table_lines([row], ["eager", "peer", "cublas_bf16"])
+    cells = dict(zip(header.split(" | "), line.split(" | ")))
+    assert cells["vs cublas_bf16"] == f"{row['times_us']['cublas_bf16'] / row['times_us']['eager']:.2f}x"
+
+
+@pytest.mark.parametrize("zero_points", [False, True])
+def test_tinygemm_operands_compute_the_layers_weight(zero_points):
+    """The int4 layer's weight converted to tinygemm's form (scales and zeros [K/G, N, 2], ``w = (q - 8) *
+    scale + zero``) multiplies as the layer does, with the fixed zero point or one per group."""
+    import torch.nn as nn
+
+    from benchmarks.peers import tinygemm_operands
+    from helion_backend.layers.quantize import Int4WeightOnlyLinear
+
+    torch.manual_seed(3)
+    layer = Int4WeightOnlyLinear.from_linear(nn.Linear(256, 64, bias=False).to(torch.bfloat16), zero_points=zero_points)
+    packed, scales_and_zeros = tinygemm_operands(layer)
+    assert scales_and_zeros.shape == (2, 64, 2) and scales_and_zeros.dtype == torch.bfloat16
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, layer.group_size, scales_and_zeros)
+    expected = layer(x)
+    assert ((out.double() - expected.double()).norm() / expected.double().norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (tinygemm's CUDA packing)")
+@pytest.mark.parametrize("zero_points", [False, True])
+def test_tinygemm_peer_on_cuda_computes_the_layers_weight(zero_points):
+    """On CUDA tinygemm packs the even column in the high nibble: the peer still multiplies the layer's weight."""
+    import torch.nn as nn
+
+    from benchmarks.peers import peer_call
+    from helion_backend.layers.quantize import Int4WeightOnlyLinear
+
+    torch.manual_seed(4)
+    linear = nn.Linear(4096, 1024, bias=False).to(device="cuda", dtype=torch.bfloat16)
+    layer = Int4WeightOnlyLinear.from_linear(linear, zero_points=zero_points)
+    x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+    call = peer_call("peer", "int4_weight_only", linear.weight, layer, x)
+    out, expected = call.run(), layer(x)
+    assert ((out.double() - expected.double()).norm() / expected.double().norm()).item() < 1e-2
+    assert ((out.double() - call.reference).norm() / call.reference.norm()).item() < 1e-2
+
+
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory) -> dict:
     """``--smoke`` of the new formats, with one M above the decode range (the summaries' other half)."""
@@ -94,7 +155,7 @@ def test_smoke_run_measures_int4_and_block_fp8_with_their_prologues(smoke_run):
     for row in data["rows"]:
         assert not row["errors"], row["errors"]
         assert all(bench_gemm.row_is_correct(row, variant) for variant in plan.variants), row["rel_err"]
-        prologue = ", ".join(PROLOGUE_OF[row["quant"]])
+        prologue = ", ".join(quantized_site(FAMILY_OF[row["quant"]])[1])  # as a compile records the layer's
         assert row["helion_sites"].startswith(f"reference [{prologue}]"), row["helion_sites"]
     table = smoke_run["markdown"]
     assert "| format | vs compile, M <= 32, geomean |" in table

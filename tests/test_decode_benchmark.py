@@ -123,14 +123,16 @@ def test_smoke_run_writes_every_row_within_tolerance(tmp_path):
 def test_smoke_run_of_the_int4_model_fuses_every_linear(tmp_path):
     """``--formats int4_weight_only``: every linear of the smoke decoder (q, k, v, o, gate, up, down, the LM
     head) is an int4 site with its ``dequant_int4`` prologue, and the logits are within the format's
-    tolerances of the eager int4 model and of the eager bf16 one."""
+    tolerances of the eager int4 model and of the eager bf16 one. ``--inductor-config`` is taken and recorded."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
            "HELION_INDUCTOR_CACHE_DIR": str(tmp_path / "backend")}
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode.py"), "--smoke", "--formats",
-                             "int4_weight_only", "--out-dir", str(tmp_path)],
+                             "int4_weight_only", "--out-dir", str(tmp_path),
+                             "--inductor-config", '{"triton.enable_pdl": true}'],
                             capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     data = json.loads((tmp_path / "cpu_decode.json").read_text())
+    assert data["metadata"]["inductor_config"] == {"triton.enable_pdl": True}  # recorded, for every variant
     (row,) = [row for row in data["rows"] if row["variant"] == decode.HELION]
     assert row["error"] is None and decode.row_is_correct(row), row
     assert row["rel_err"] <= decode.TOLERANCES["int4_weight_only"], row["rel_err"]
@@ -162,3 +164,12 @@ def test_a_failed_interleaving_keeps_the_wall_times_measured_alone():
     steps[decode.HELION] = lambda: None
     decode.interleave_wall_times(rows, steps, decode.PRESETS["smoke"], torch.device("cpu"))
     assert all(row["wall_method"] == "interleaved" and row["wall_us"] != 5.0 for row in rows.values())
+
+
+def test_launch_counts_take_the_gpus_kernels_and_copies_apart():
+    """The profiler's GPU events of a step: kernels (Helion's, Inductor's, cuBLAS's) and, apart, the memory
+    copies and sets (cudagraph trees' input copies); host events are not launches."""
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [(cuda, "_helion_gemm_kernel"), (cuda, "triton_red_fused_add_mean_0"), (cuda, "Memcpy DtoD (Device -> Device)"),
+              (cuda, "Memset (Device)"), (cpu, "aten::mm"), (cpu, "cudaGraphLaunch"), (cuda, "nvjet_tst_64x8")]
+    assert decode.count_gpu_activity(events) == (3, 2)

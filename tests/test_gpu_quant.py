@@ -223,11 +223,11 @@ def test_quant_kernel_split_k(qdtype, split_k, prequantize):
 @pytest.mark.parametrize("split_k", [1, 2, 4])
 @pytest.mark.parametrize("block_k", [32, 64, 128, 256])
 @pytest.mark.parametrize("group_size", [128, 32])
-@pytest.mark.parametrize("paired_loads", [False, True])
-def test_int4_kernel_blocks_groups_and_split_k(paired_loads, group_size, block_k, split_k):
+@pytest.mark.parametrize("paired_loads, zero_points", [(False, False), (True, False), (True, True)])
+def test_int4_kernel_blocks_groups_and_split_k(paired_loads, zero_points, group_size, block_k, split_k):
     """The int4 kernel against the graph's dequantization: K blocks (in bytes) smaller and larger than a
-    group, split-K partial sums finished by the epilogue pass, and the activation read as two stride-2
-    views or as pairs (``paired_loads``)."""
+    group, split-K partial sums finished by the epilogue pass, the activation read as two stride-2 views or
+    as pairs (``paired_loads``), and the fixed zero point or one per group (``zero_points``)."""
     import helion
 
     from helion_backend.kernels.quant_gemm import int4_gemm_helion
@@ -236,32 +236,36 @@ def test_int4_kernel_blocks_groups_and_split_k(paired_loads, group_size, block_k
 
     torch.manual_seed(2)
     linear = nn.Linear(4096, 512).to(device="cuda", dtype=torch.bfloat16)
-    layer = Int4WeightOnlyLinear.from_linear(linear, group_size=group_size)
+    layer = Int4WeightOnlyLinear.from_linear(linear, group_size=group_size, zero_points=zero_points)
     x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
     steps, operands = ("bias", "silu"), [layer.bias]
     config = helion.Config(block_sizes=[16, 32, block_k], num_warps=4, num_stages=3, split_k=split_k,
                            paired_loads=paired_loads)
-    out = int4_gemm_helion(x, layer.packed.t(), layer.scales, steps, operands, [], torch.bfloat16, config=config)
-    w_kn = dequantize_int4(layer.packed, layer.scales, torch.bfloat16).t()
+    out = int4_gemm_helion(x, layer.packed.t(), layer.group_params, steps, operands, [], torch.bfloat16,
+                           config=config)
+    w_kn = dequantize_int4(layer.packed, layer.group_params, torch.bfloat16).t()
     assert sqnr_db(reference(x, w_kn, steps, operands, [], torch.bfloat16), out) >= 40
 
 
 @helion.kernel(static_shapes=True, autotune_effort="none")
-def _dequantize_int4(pairs: torch.Tensor, scales: torch.Tensor,
+def _dequantize_int4(pairs: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                      nibbles: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each byte's two int4 values, dequantized by ``nibbles`` with the scale beside it."""
+    """Each byte's two int4 values, dequantized by ``nibbles`` with the scale and zero point beside it."""
     low, high = torch.empty_like(scales), torch.empty_like(scales)
     for tile_r, tile_c in hl.tile(pairs.size()):
-        low[tile_r, tile_c], high[tile_r, tile_c] = nibbles(pairs[tile_r, tile_c], scales[tile_r, tile_c])
+        low[tile_r, tile_c], high[tile_r, tile_c] = nibbles(pairs[tile_r, tile_c], scales[tile_r, tile_c],
+                                                            zeros[tile_r, tile_c])
     return low, high
 
 
+@pytest.mark.parametrize("zero_points", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tile", [(16, 32), (64, 128), (128, 8)])
-def test_int4_bit_dequantization_is_the_graphs_bit_for_bit(dtype, tile):
+def test_int4_bit_dequantization_is_the_graphs_bit_for_bit(dtype, tile, zero_points):
     """The int4 kernels' PTX dequantization (``int4_dequantizer`` on CUDA) gives exactly the graph's values:
-    nibble minus 8, times the scale in the activation's dtype, for every byte value and fresh random scales
-    over a wide range of magnitudes."""
+    nibble minus 8 (or minus its zero point), times the scale in the activation's dtype, for every byte value
+    and fresh random scales over a wide range of magnitudes; the zero points are integers 0..15 and, for the
+    subtraction's rounding, random values of any magnitude."""
     from helion_backend.kernels.int4_nibbles import int4_dequantizer
 
     torch.manual_seed(tile[0] + tile[1])
@@ -269,17 +273,24 @@ def test_int4_bit_dequantization_is_the_graphs_bit_for_bit(dtype, tile):
     pairs[0, :256] = torch.arange(256, device="cuda", dtype=torch.uint8)
     scales = (torch.randn(256, 512, device="cuda") * torch.exp2(torch.randint(-12, 6, (256, 512), device="cuda")))
     scales = scales.to(dtype)
-    nibbles = int4_dequantizer(scales)
+    zeros = torch.randint(0, 16, (256, 512), device="cuda").to(dtype)
+    zeros[128:] = (torch.randn(128, 512, device="cuda") * torch.exp2(torch.randint(-12, 4, (128, 512),
+                                                                                   device="cuda"))).to(dtype)
+    nibbles = int4_dequantizer(scales, zero_points)
     assert nibbles.__name__.endswith("_ptx")
     config = helion.Config(block_sizes=list(tile), num_warps=4)
-    low, high = _dequantize_int4.bind((pairs, scales, nibbles)).compile_config(config)(pairs, scales, nibbles)
-    assert torch.equal(low, ((pairs & 15).to(dtype) - 8) * scales)
-    assert torch.equal(high, ((pairs >> 4).to(dtype) - 8) * scales)
+    args = (pairs, scales, zeros, nibbles)
+    low, high = _dequantize_int4.bind(args).compile_config(config)(*args)
+    zero = zeros if zero_points else 8
+    assert torch.equal(low, ((pairs & 15).to(dtype) - zero) * scales)
+    assert torch.equal(high, ((pairs >> 4).to(dtype) - zero) * scales)
 
 
-def _int4_candidate_matches_the_graph(candidate: tuple, m: int, n: int, seed: int, **keys: bool) -> None:
+def _int4_candidate_matches_the_graph(candidate: tuple, m: int, n: int, seed: int, zero_points: bool = False,
+                                      **keys: bool) -> None:
     """One tuner candidate of the int4 family (with its wrapper ``keys``) at [m, 4096] x [4096, n], bf16,
-    groups of 128, the bias + GELU-tanh epilogue, against the graph's dequantization (>= 40 dB)."""
+    groups of 128 (with ``zero_points``, one per group), the bias + GELU-tanh epilogue, against the graph's
+    dequantization (>= 40 dB)."""
     import helion
 
     from helion_backend.kernels.quant_gemm import int4_gemm_helion
@@ -289,33 +300,38 @@ def _int4_candidate_matches_the_graph(candidate: tuple, m: int, n: int, seed: in
     bm, bn, bk, warps, stages, split_k, indexing = candidate
     torch.manual_seed(seed)
     layer = Int4WeightOnlyLinear.from_linear(nn.Linear(4096, n).to(device="cuda", dtype=torch.bfloat16),
-                                             group_size=128)
+                                             group_size=128, zero_points=zero_points)
     x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
     steps, operands = ("bias", "gelu_tanh"), [layer.bias]
     config = helion.Config(block_sizes=[bm, bn, bk], num_warps=warps, num_stages=stages, indexing=indexing,
                            split_k=split_k, **keys)
-    out = int4_gemm_helion(x, layer.packed.t(), layer.scales, steps, operands, [], torch.bfloat16, config=config)
-    w_kn = dequantize_int4(layer.packed, layer.scales, torch.bfloat16).t()
+    out = int4_gemm_helion(x, layer.packed.t(), layer.group_params, steps, operands, [], torch.bfloat16,
+                           config=config)
+    w_kn = dequantize_int4(layer.packed, layer.group_params, torch.bfloat16).t()
     assert sqnr_db(reference(x, w_kn, steps, operands, [], torch.bfloat16), out) >= 40
 
 
 @pytest.mark.parametrize("candidate", range(14))
 def test_int4_gemv_form_every_candidate(candidate):
-    """Each of the tuner's int4 GEMV candidates (``gemv``: ``int4_gemv_kernel``) at one row."""
+    """Each of the tuner's int4 GEMV candidates (``gemv``: ``int4_gemv_kernel``) at one row; the odd ones with
+    zero points."""
     from helion_backend.tuning.candidates import INT4_GEMV_CANDIDATES
 
     assert len(INT4_GEMV_CANDIDATES) == 14
-    _int4_candidate_matches_the_graph(INT4_GEMV_CANDIDATES[candidate], 1, 1024, candidate, gemv=True)
+    _int4_candidate_matches_the_graph(INT4_GEMV_CANDIDATES[candidate], 1, 1024, candidate, candidate % 2 == 1,
+                                      gemv=True)
 
 
 @pytest.mark.parametrize("m", [1, 8, 32])
 @pytest.mark.parametrize("candidate", range(12))
 def test_int4_swapped_form_every_candidate(candidate, m):
-    """Each of the tuner's swapped int4 candidates (``swap_ab``: ``swapped_int4_gemm_kernel``) at decode M."""
+    """Each of the tuner's swapped int4 candidates (``swap_ab``: ``swapped_int4_gemm_kernel``) at decode M; the
+    odd ones with zero points."""
     from helion_backend.tuning.candidates import INT4_SWAPPED_CANDIDATES
 
     assert len(INT4_SWAPPED_CANDIDATES) == 12
-    _int4_candidate_matches_the_graph(INT4_SWAPPED_CANDIDATES[candidate], m, 3072, candidate + m, swap_ab=True)
+    _int4_candidate_matches_the_graph(INT4_SWAPPED_CANDIDATES[candidate], m, 3072, candidate + m, candidate % 2 == 1,
+                                      swap_ab=True)
 
 
 @pytest.mark.parametrize("split_k", [1, 2, 4])

@@ -437,11 +437,13 @@ def _group_steps(launch) -> bool:
 
 
 @pytest.mark.parametrize("k, group", INT4_SHAPES)
-@pytest.mark.parametrize("dtype, split_k, paired_loads", diagonal([torch.float32, torch.float16], [1, 2], [False, True]))
-def test_int4_weight_only_kernel_dequantizes_as_the_graph(dtype, split_k, paired_loads, k, group):
-    """Packed bytes and group scales read in the K loop; the reference dequantizes with the graph's ops.
-    K spans several K blocks (of 32 bytes), crossing the groups' borders or within them (``INT4_SHAPES``); the
-    activation's even and odd columns read as two views or (``paired_loads``) as pairs split in registers.
+@pytest.mark.parametrize("dtype, split_k, paired_loads, zero_points",
+                         diagonal([torch.float32, torch.float16], [1, 2], [False, True], [False, True]))
+def test_int4_weight_only_kernel_dequantizes_as_the_graph(dtype, split_k, paired_loads, zero_points, k, group):
+    """Packed bytes and group scales (and zero points) read in the K loop; the reference dequantizes with the
+    graph's ops. K spans several K blocks (of 32 bytes), crossing the groups' borders or within them
+    (``INT4_SHAPES``); the activation's even and odd columns read as two views or (``paired_loads``) as pairs
+    split in registers.
     float16, not bfloat16: the interpreter's bfloat16 arithmetic works on raw bit patterns (the
     dequantization is elementwise math in the activation's dtype; test_gpu_quant.py runs bfloat16)."""
     import torch.nn as nn
@@ -452,23 +454,24 @@ def test_int4_weight_only_kernel_dequantizes_as_the_graph(dtype, split_k, paired
     from helion_backend.semantics.reference import dequantize_int4, reference
 
     torch.manual_seed(split_k)
-    layer = Int4WeightOnlyLinear.from_linear(nn.Linear(k, 40).to(dtype), group_size=group)
+    layer = Int4WeightOnlyLinear.from_linear(nn.Linear(k, 40).to(dtype), group_size=group, zero_points=zero_points)
     x = torch.randn(5, k, dtype=dtype)
     steps, operands = ("bias", "silu"), [layer.bias]
     config = helion.Config(block_sizes=BLOCKS, num_warps=4, num_stages=1, split_k=split_k,
                            paired_loads=paired_loads)
     with record_launches() as launches:
-        out = int4_gemm_helion(x, layer.packed.t(), layer.scales, steps, operands, [], dtype, config=config)
+        out = int4_gemm_helion(x, layer.packed.t(), layer.group_params, steps, operands, [], dtype, config=config)
     assert _group_steps(launches[0]) == (group == 64)
-    w_kn = dequantize_int4(layer.packed, layer.scales, dtype).t()
+    w_kn = dequantize_int4(layer.packed, layer.group_params, dtype).t()
     assert rel_err(out, reference(x, w_kn, steps, operands, [], torch.float64)) <= TOLERANCE[dtype]
     assert rel_err(out, torch.nn.functional.silu(layer(x).double())) <= TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("k, group", INT4_SHAPES)
-@pytest.mark.parametrize("m, block_n", [(1, 1), (1, 4), (3, 8)])
-def test_int4_gemv_form_dequantizes_as_the_graph(m, block_n, k, group):
-    """``gemv`` on int4 (``int4_gemv_kernel``): the layer's [N, K/2] bytes and [N, K/G] scales read along K,
+@pytest.mark.parametrize("m, block_n, zero_points", [(1, 1, False), (1, 4, True), (3, 8, False), (3, 8, True)])
+def test_int4_gemv_form_dequantizes_as_the_graph(m, block_n, zero_points, k, group):
+    """``gemv`` on int4 (``int4_gemv_kernel``): the layer's [N, K/2] bytes and [N, K/G] scales (and zero
+    points) read along K,
     each byte's two products summed after the loop; K blocks of 32 bytes across or within the groups
     (``INT4_SHAPES``), N tiles of one column up. The tuner offers it at one row; it is right at any M."""
     import torch.nn as nn
@@ -480,22 +483,22 @@ def test_int4_gemv_form_dequantizes_as_the_graph(m, block_n, k, group):
 
     torch.manual_seed(m + block_n)
     dtype = torch.float16  # the interpreter's bfloat16 arithmetic works on raw bit patterns (see above)
-    layer = Int4WeightOnlyLinear.from_linear(nn.Linear(k, 24).to(dtype), group_size=group)
+    layer = Int4WeightOnlyLinear.from_linear(nn.Linear(k, 24).to(dtype), group_size=group, zero_points=zero_points)
     x = torch.randn(m, k, dtype=dtype)
     steps, operands = ("bias", "silu"), [layer.bias]
     config = helion.Config(block_sizes=[16, block_n, 32], num_warps=4, num_stages=1, gemv=True)
     with record_launches() as launches:
-        out = int4_gemm_helion(x, layer.packed.t(), layer.scales, steps, operands, [], dtype, config=config)
+        out = int4_gemm_helion(x, layer.packed.t(), layer.group_params, steps, operands, [], dtype, config=config)
     assert [launch.kernel for launch in launches] == [int4_gemv_kernel]
     assert _group_steps(launches[0]) == (group == 64)
-    w_kn = dequantize_int4(layer.packed, layer.scales, dtype).t()
+    w_kn = dequantize_int4(layer.packed, layer.group_params, dtype).t()
     assert rel_err(out, reference(x, w_kn, steps, operands, [], torch.float64)) <= TOLERANCE[dtype]
     assert rel_err(out, torch.nn.functional.silu(layer(x).double())) <= TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("k, group", INT4_SHAPES)
-@pytest.mark.parametrize("m, split_k", [(1, 1), (5, 1), (5, 2)])
-def test_int4_swapped_form_dequantizes_as_the_graph(m, split_k, k, group):
+@pytest.mark.parametrize("m, split_k, zero_points", [(1, 1, True), (5, 1, False), (5, 2, False), (5, 2, True)])
+def test_int4_swapped_form_dequantizes_as_the_graph(m, split_k, zero_points, k, group):
     """``swap_ab`` on int4 (``swapped_int4_gemm_kernel``): the [N, K/2] bytes dequantized as the dot's first
     operand times x's pairs transposed, the tile transposed back for the epilogue; K blocks of 32 bytes
     across or within the groups (``INT4_SHAPES``), and split-K finishes in the epilogue kernel."""
@@ -508,15 +511,15 @@ def test_int4_swapped_form_dequantizes_as_the_graph(m, split_k, k, group):
 
     torch.manual_seed(m + split_k)
     dtype = torch.float16  # the interpreter's bfloat16 arithmetic works on raw bit patterns (see above)
-    layer = Int4WeightOnlyLinear.from_linear(nn.Linear(k, 24).to(dtype), group_size=group)
+    layer = Int4WeightOnlyLinear.from_linear(nn.Linear(k, 24).to(dtype), group_size=group, zero_points=zero_points)
     x = torch.randn(m, k, dtype=dtype)
     steps, operands = ("bias", "silu"), [layer.bias]
     config = helion.Config(block_sizes=[16, 16, 32], num_warps=4, num_stages=1, split_k=split_k, swap_ab=True)
     with record_launches() as launches:
-        out = int4_gemm_helion(x, layer.packed.t(), layer.scales, steps, operands, [], dtype, config=config)
+        out = int4_gemm_helion(x, layer.packed.t(), layer.group_params, steps, operands, [], dtype, config=config)
     assert launches[0].kernel is swapped_int4_gemm_kernel
     assert _group_steps(launches[0]) == (group == 64)
-    w_kn = dequantize_int4(layer.packed, layer.scales, dtype).t()
+    w_kn = dequantize_int4(layer.packed, layer.group_params, dtype).t()
     assert rel_err(out, reference(x, w_kn, steps, operands, [], torch.float64)) <= TOLERANCE[dtype]
 
 
@@ -528,6 +531,8 @@ def test_int4_kernel_refuses_scales_that_do_not_fit():
         int4_gemm_helion(x, packed, torch.ones(8, 3), (), [], [], torch.float32)
     with pytest.raises(ValueError, match="scales in x's dtype"):
         int4_gemm_helion(x, packed, torch.ones(8, 2, dtype=torch.bfloat16), (), [], [], torch.float32)
+    with pytest.raises(ValueError, match=r"\[N, K/G, 2\] with zero points"):
+        int4_gemm_helion(x, packed, torch.ones(8, 2, 3), (), [], [], torch.float32)
 
 
 def fp8_exact_activation(m: int, k: int, group: int) -> torch.Tensor:

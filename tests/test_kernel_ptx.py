@@ -163,16 +163,19 @@ def _kernel_arguments(path: Path) -> list[str]:
     return [argument.split(":")[0].strip() for argument in header.split(",")]
 
 
-@pytest.mark.parametrize("block_k", [64, 128])
-def test_the_int4_k_loop_dequantizes_by_bit_operations(block_k, tmp_path):
+@pytest.mark.parametrize("block_k, zero_points", [(64, False), (128, False), (64, True),
+                                                   pytest.param(128, True, marks=pytest.mark.slow)])
+def test_the_int4_k_loop_dequantizes_by_bit_operations(block_k, zero_points, tmp_path):
     """``int4_gemm_kernel`` with the PTX dequantization the wrapper picks on CUDA for bf16 (8 rows, 16 x 64 x
     ``block_k`` bytes, pairs split in registers): each K step makes its bf16 weights with prmt, lop3 and
     packed bf16x2 FMAs, two values an instruction, and no integer-to-float conversion or scalar bf16
     arithmetic. Where the K block lies in one group (64 bytes, groups of 128, ``group_steps``) the step
-    loads its scales once; gathered per byte they took one 2-byte load per byte a thread."""
+    loads its scales once; gathered per byte they took one 2-byte load per byte a thread. With zero points
+    (one [N, K/G, 2] tensor of scales and zero points) a byte takes one more FMA and its group's zero point;
+    without, the zero points the kernel is passed (the scales again) are never loaded."""
     import helion.language as hl
 
-    from helion_backend.kernels.int4_nibbles import int4_nibbles_bf16_ptx
+    from helion_backend.kernels.int4_nibbles import int4_nibbles_bf16_ptx, int4_zero_point_nibbles_bf16_ptx
     from helion_backend.kernels.quant_gemm import _steps_within_groups, int4_gemm_kernel
 
     rows, n, k, group, stages = 8, 1024, 4096, 128, 3
@@ -182,21 +185,28 @@ def test_the_int4_k_loop_dequantizes_by_bit_operations(block_k, tmp_path):
     assert group_steps == (block_k == 64)
     x = torch.randn(rows, k).to(torch.bfloat16)
     packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
-    scales = torch.randn(n, k // group).to(torch.bfloat16)
+    if zero_points:
+        params = torch.randn(n, k // group, 2).to(torch.bfloat16)
+        scales, zeros = params[:, :, 0], params[:, :, 1]
+    else:
+        scales = zeros = torch.randn(n, k // group).to(torch.bfloat16)
+    nibbles = int4_zero_point_nibbles_bf16_ptx if zero_points else int4_nibbles_bf16_ptx
     out = torch.empty(1, rows, n, dtype=torch.bfloat16)
-    args = (x.reshape(rows, k // 2, 2), packed.t(), scales.t(), out, [], [], hl.constexpr(True),
-            hl.constexpr(group_steps), int4_nibbles_bf16_ptx, tile_epilogue(()))
+    args = (x.reshape(rows, k // 2, 2), packed.t(), scales.t(), zeros.t(), out, [], [], hl.constexpr(True),
+            hl.constexpr(group_steps), nibbles, tile_epilogue(()))
     path = tmp_path / "int4.py"
     path.write_text(int4_gemm_kernel.bind(args).to_triton_code(config))
     # The split's K extent (all of K) and the pairs' width are the kernel's constexpr arguments.
     constants = {name: k // 2 if name.startswith("_BLOCK_SIZE") else 2
                  for name in _kernel_arguments(path) if name.startswith(("_BLOCK_SIZE", "_RDIM_SIZE"))}
-    pointers = {"x_pairs": "*bf16", "packed": "*u8", "scales": "*bf16", "out": "*bf16"}
+    pointers = {"x_pairs": "*bf16", "packed": "*u8", "scales": "*bf16", "zeros": "*bf16", "out": "*bf16"}
     counts = _ptx_counts({str(path): {"pointers": pointers, "constants": constants, "num_stages": stages}})
     (step,) = _k_steps(counts[str(path)])
     bytes_a_thread = 64 * block_k // 128  # a [block_k, 64] tile of bytes over 128 threads
-    assert step.get("fma.rn.bf16x2", 0) == 2 * bytes_a_thread, step  # a byte's two values: zero point, scale
+    fmas_a_byte = 3 if zero_points else 2  # (zero point,) scale
+    assert step.get("fma.rn.bf16x2", 0) == fmas_a_byte * bytes_a_thread, step
     assert step.get("lop3.b32", 0) == bytes_a_thread, step  # two values' mantissas set at once
     assert not any(op.startswith(("cvt.rn.bf16", "cvt.rn.f32.u", "sub.bf16", "mul.bf16")) for op in step), step
-    scale_loads = step.get("ld.global.b16", 0)
-    assert scale_loads <= 2 if group_steps else scale_loads == bytes_a_thread, step
+    tensors_a_group = 2 if zero_points else 1  # scales (and zero points)
+    group_loads = step.get("ld.global.b16", 0)
+    assert group_loads <= 2 * tensors_a_group if group_steps else group_loads == tensors_a_group * bytes_a_thread, step

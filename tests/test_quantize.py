@@ -107,6 +107,33 @@ def test_int4_nibble_order_and_group_scales():
     assert ((w_dq.reshape(16, 4, 32) - w).abs() <= s / 2 + 1e-6).all()
 
 
+def test_int4_zero_points_map_each_groups_range_onto_the_nibbles():
+    """``zero_points=True``: each group's [min, max] (widened to hold 0.0) spans the 16 nibble values, with an
+    integer zero point in 0..15 that stands for 0.0, so groups off center keep their resolution (the fixed
+    zero point spends half the values on a sign such groups do not use)."""
+    linear = make_linear(k=128, n=16)
+    with torch.no_grad():
+        linear.weight.add_(torch.linspace(-0.1, 0.1, 16).unsqueeze(1))  # rows off center
+    q = Int4WeightOnlyLinear.from_linear(linear, group_size=32, zero_points=True)
+    assert q.scales_and_zeros.shape == (16, 4, 2) and not hasattr(q, "scales")
+    w = linear.weight.detach().reshape(16, 4, 32)
+    s, zero = q.scales_and_zeros[:, :, :1], q.scales_and_zeros[:, :, 1:]
+    span = w.amax(-1).clamp(min=0) - w.amin(-1).clamp(max=0)
+    assert torch.equal(s.squeeze(-1), (span / 15).clamp(min=1e-6))
+    assert torch.equal(zero, zero.round()) and zero.min() >= 0 and zero.max() <= 15 and len(zero.unique()) > 4
+    nibbles = torch.stack([q.packed & 15, q.packed >> 4], dim=-1).reshape(16, 4, 32)
+    assert torch.equal(nibbles.float(), (torch.round(w / s) + zero).clamp(0, 15))
+    # Dequantized, every weight is within a step of the original (half a step of rounding, and at a group's
+    # ends up to half a step more, where the rounded zero point moved the range); the symmetric form is
+    # coarser here.
+    eye = torch.eye(128)
+    w_dq = (q(eye) - q.bias).t().reshape(16, 4, 32)
+    assert ((w_dq - w).abs() <= s + 1e-6).all()
+    symmetric = Int4WeightOnlyLinear.from_linear(linear, group_size=32)
+    x = make_input(8, 128)
+    assert sqnr_db(float64_reference(linear, x), q(x)) > sqnr_db(float64_reference(linear, x), symmetric(x)) + 2
+
+
 @pytest.mark.parametrize("pad_to", [None, 17])
 def test_int_mm_any_m_matches_integer_matmul(pad_to):
     g = torch.Generator().manual_seed(2)
@@ -152,7 +179,9 @@ def test_quantize_all_by_default_shared_and_root_linears():
     quantize(model, "fp8_dynamic")
     assert isinstance(model[0], Fp8DynamicLinear) and model[0] is model[2]
     root = quantize(make_linear(), "int4_weight_only", group_size=64)
-    assert isinstance(root, Int4WeightOnlyLinear) and root.group_size == 64
+    assert isinstance(root, Int4WeightOnlyLinear) and root.group_size == 64 and not root.zero_points
+    root = quantize(make_linear(), "int4_weight_only", zero_points=True)
+    assert isinstance(root, Int4WeightOnlyLinear) and root.zero_points and "zero_points=True" in repr(root)
     # MultiheadAttention reads out_proj.weight itself: its out_proj must stay a linear.
     mha = quantize(nn.MultiheadAttention(K, 4), "int8_weight_only")
     assert type(mha.out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear
@@ -187,13 +216,15 @@ def test_incompatible_shape_names_layer_and_requirement(fmt, k, n, options, requ
     assert isinstance(skipped[0], QUANT_FORMATS[fmt]) and type(skipped[1][1]) is nn.Linear
 
 
-@pytest.mark.parametrize("fmt", list(QUANT_FORMATS))
-def test_state_dict_round_trip(fmt):
+@pytest.mark.parametrize("fmt, options", [*((fmt, {}) for fmt in QUANT_FORMATS),
+                                          ("int4_weight_only", {"zero_points": True})])
+def test_state_dict_round_trip(fmt, options):
     linear = make_linear(dtype=torch.bfloat16)
-    q = quantize(copy.deepcopy(linear), fmt)
+    q = quantize(copy.deepcopy(linear), fmt, **options)
     state = q.state_dict()
     assert all(not t.requires_grad for t in state.values())
-    options = {"group_size": q.group_size} if fmt == "int4_weight_only" else {}
+    if fmt == "int4_weight_only":
+        options = {**options, "group_size": q.group_size}
     fresh = QUANT_FORMATS[fmt](K, N, bias=True, dtype=torch.bfloat16, **options)
     fresh.load_state_dict(state)
     x = make_input(3, K, dtype=torch.bfloat16)

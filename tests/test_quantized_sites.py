@@ -510,6 +510,81 @@ def test_int4_near_misses_stay_unfused_with_a_note(variant):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype, lead", slow_except({(torch.bfloat16, (5,)), (torch.float32, (2, 3))}, [
+    (dtype, lead) for dtype in (torch.float32, torch.bfloat16) for lead in ((5,), (2, 3))]))
+def test_int4_zero_points_fuse_as_their_own_prologue_and_match_eager(dtype, lead):
+    """``quantize(..., zero_points=True)``: each group's zero point read from the [N, K/G, 2] scales and zero
+    points; the site's prologue says so, and the result is the layer's (fresh weights, zero points that
+    differ from 8)."""
+    torch.manual_seed(13)
+    block = Block()
+    with torch.no_grad():  # rows shifted off zero: their groups' ranges are not symmetric
+        block.proj.weight.add_(0.05 * torch.randn(128, 1))
+    model = quantize(block.to(dtype).eval(), "int4_weight_only", group_size=64, zero_points=True)
+    zeros = model.proj.scales_and_zeros[:, :, 1]
+    assert zeros.min() < 8 < zeros.max() and torch.equal(zeros, zeros.round())
+    x, r = torch.randn(*lead, 256, dtype=dtype), torch.randn(*lead, 128, dtype=dtype)
+    with torch.no_grad():
+        out, reports = compile_run(copy.deepcopy(model), x, r)
+        expected = model(x, r)
+    (site,) = sites(reports)
+    assert (site.kernel, site.prologue, site.notes) == ("gemm_int4", ["dequant_int4_zp"], []), site
+    assert sqnr_db(expected, out) >= (90 if dtype == torch.float32 else 40)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_zero_point_reference_dequantizes_exactly_as_the_layer(dtype):
+    """With zero points too, the reference's dequantization is the layer's, bit for bit."""
+    torch.manual_seed(14)
+    layer = Int4WeightOnlyLinear.from_linear(nn.Linear(240, 32).to(dtype), group_size=48, zero_points=True)
+    n, k, g = 32, 240, 48
+    q = torch.stack([layer.packed & 15, layer.packed >> 4], dim=-1).reshape(n, k)
+    params = layer.scales_and_zeros
+    expected = ((q.to(dtype).reshape(n, k // g, g) - params[:, :, 1:]) * params[:, :, :1]).reshape(n, k)
+    assert torch.equal(dequantize_int4(layer.packed, params, dtype), expected)
+
+
+class _Int4ZeroPointVariant(Int4WeightOnlyLinear):
+    """The zero-point int4 layer with its dequantization written another way (``variant``)."""
+
+    variant = "documented"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, k, g = self.out_features, self.in_features, self.group_size
+        q = torch.stack([self.packed & 15, self.packed >> 4], dim=-1).reshape(n, k)
+        params = self.scales_and_zeros
+        zero, scale = params[:, :, 1:], params[:, :, :1]
+        if self.variant == "scale_and_zero_swapped":
+            zero, scale = scale, zero
+        elif self.variant == "zero_from_another_tensor":
+            zero = self.other_zeros[:, :, 1:]
+        grouped = q.to(x.dtype).reshape(n, k // g, g)
+        centered = zero - grouped if self.variant == "zero_minus_value" else grouped - zero
+        return F.linear(x, (centered * scale).reshape(n, k), self.bias)
+
+
+@pytest.mark.parametrize("variant", slow_except({"documented", "scale_and_zero_swapped"}, [
+    "documented", "scale_and_zero_swapped", "zero_from_another_tensor", "zero_minus_value"]))
+def test_int4_zero_point_near_misses_stay_unfused_with_a_note(variant):
+    """Scale and zero point read from each other's half, from two tensors, or subtracted the other way round
+    compute another weight: the GEMM fuses without the dequantization and the report says what differs."""
+    torch.manual_seed(15)
+    layer = _Int4ZeroPointVariant.from_linear(nn.Linear(256, 64), group_size=64, zero_points=True)
+    layer.variant = variant
+    layer.register_buffer("other_zeros", layer.scales_and_zeros.clone())
+    x = torch.randn(3, 256)
+    with torch.no_grad():
+        out, reports = compile_run(layer, x)
+        expected = layer(x)
+    (site,) = sites(reports)
+    if variant == "documented":
+        assert (site.prologue, site.kernel, site.notes) == (["dequant_int4_zp"], "gemm_int4", []), site
+    else:
+        assert site.prologue == [] and site.kernel == "gemm", site
+        assert any("not as packed int4" in note for note in site.notes), site.notes
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_int4_packed_bytes_shared_with_another_reader_still_fuse():
     """The dequantization is pure: the kernel reads the bytes, Inductor still computes the other reader."""
     torch.manual_seed(12)

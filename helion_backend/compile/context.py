@@ -61,6 +61,7 @@ class GemmSite:
     prologue: list[Step] = field(default_factory=list)
     quant_program: QuantProgram | None = None
     # The scales a weight dequantization reads besides the weight (dequant_int4: [N, K/G] group scales;
+    # dequant_int4_zp: [N, K/G, 2] group scales and zero points;
     # dequant_fp8_block: [N/128, K/128] block scales, or with weight_scale_kn [K/128, N/128] ones, which the
     # rewrite passes transposed).
     weight_scale: fx.Node | None = None

@@ -241,7 +241,7 @@ def _qweight(layer: Any) -> tuple[torch.Tensor, None]:
 
 
 def _packed_weight(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    return layer.packed.t(), layer.scales
+    return layer.packed.t(), layer.group_params
 
 
 def _block_weight(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -72,7 +72,7 @@ from helion_backend.kernels.gemm import (
     split_k_target,
     tile_epilogue,
 )
-from helion_backend.kernels.int4_nibbles import int4_dequantizer
+from helion_backend.kernels.int4_nibbles import Nibbles, int4_dequantizer
 from helion_backend.semantics import quant_program as program_module
 from helion_backend.semantics.quant_program import QuantProgram
 from helion_backend.vocabulary import (
@@ -221,12 +221,13 @@ def int4_gemm_kernel(
     x_pairs: torch.Tensor,
     packed: torch.Tensor,
     scales: torch.Tensor,
+    zeros: torch.Tensor,
     out: torch.Tensor,
     operands: list[torch.Tensor],
     scalars: list[float],
     paired_loads: bool,
     group_steps: bool,
-    nibbles: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    nibbles: Nibbles,
     epilogue: Callable[..., torch.Tensor],
 ) -> None:
     """``out[0] = epilogue(x @ dequant(packed, scales))`` with ``split_k == 1``; else ``out[i]`` = split i's part.
@@ -234,7 +235,9 @@ def int4_gemm_kernel(
     ``packed`` is [K/2, N] bytes: row j holds the weights of x's columns 2j (low nibble) and 2j + 1 (high
     nibble), which ``x_pairs``, x seen as [M, K/2, 2], holds side by side; so the K loop runs over bytes (the
     K block counts bytes) and each step makes two dots of half the depth, one per nibble. ``scales`` is
-    [K/G, N]; each byte row reads the scale of its group, which holds both its columns (G is even).
+    [K/G, N]; each byte row reads the scale of its group, which holds both its columns (G is even), and
+    likewise its zero point from ``zeros`` [K/G, N] (which ``nibbles`` reads only for a format with zero
+    points; the fixed one's loads are dead code).
     ``paired_loads`` (a compile-time constant, ``hl.constexpr``) loads each [block_m, block_k, 2] tile of
     pairs and splits it in registers; else the even and odd columns are loaded apart, as two stride-2 views,
     one value a load. ``nibbles`` dequantizes a tile of bytes with their scales (:mod:`.int4_nibbles`).
@@ -252,9 +255,11 @@ def int4_gemm_kernel(
             pair = packed[tile_k, tile_n]
             if group_steps:
                 scale = scales[tile_k.begin // group_bytes, tile_n][None, :]
+                zero = zeros[tile_k.begin // group_bytes, tile_n][None, :]
             else:
                 scale = scales[tile_k.index // group_bytes, tile_n]
-            low, high = nibbles(pair, scale)
+                zero = zeros[tile_k.index // group_bytes, tile_n]
+            low, high = nibbles(pair, scale, zero)
             if paired_loads:
                 x_even, x_odd = hl.split(x_pairs[tile_m, tile_k, :])
             else:
@@ -272,17 +277,18 @@ def swapped_int4_gemm_kernel(
     x_pairs: torch.Tensor,
     packed_nk: torch.Tensor,
     scales_ng: torch.Tensor,
+    zeros_ng: torch.Tensor,
     out: torch.Tensor,
     operands: list[torch.Tensor],
     scalars: list[float],
     group_steps: bool,
-    nibbles: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    nibbles: Nibbles,
     epilogue: Callable[..., torch.Tensor],
 ) -> None:
     """``int4_gemm_kernel`` with the operands swapped, as ``swapped_lowp_gemm_kernel`` does for one-byte
     weights: each program computes ``dequant(packed_nk) @ x.T`` for an [N block, M block] tile, then
     transposes it for the epilogue and the store. The weight is read as the layer stores it ([N, K/2] bytes,
-    contiguous along K, with its [N, K/G] scales) and fills the dot's 64-row side; x's even and odd columns
+    contiguous along K, with its [N, K/G] scales and zero points) and fills the dot's 64-row side; x's even and odd columns
     come as pairs (``x_pairs``, x seen as [M, K/2, 2]). Block sizes [M, N, K], K in bytes."""
     m, k_bytes, _ = x_pairs.size()
     n = packed_nk.size(0)
@@ -296,9 +302,11 @@ def swapped_int4_gemm_kernel(
             pair = packed_nk[tile_n, tile_k]
             if group_steps:
                 scale = scales_ng[tile_n, tile_k.begin // group_bytes][:, None]
+                zero = zeros_ng[tile_n, tile_k.begin // group_bytes][:, None]
             else:
                 scale = scales_ng[tile_n, tile_k.index // group_bytes]
-            low, high = nibbles(pair, scale)
+                zero = zeros_ng[tile_n, tile_k.index // group_bytes]
+            low, high = nibbles(pair, scale, zero)
             x_even, x_odd = hl.split(x_pairs[tile_m, tile_k, :])
             acc = hl.dot(low, x_even.T, acc=acc)
             acc = hl.dot(high, x_odd.T, acc=acc)
@@ -314,16 +322,17 @@ def int4_gemv_kernel(
     x_odd: torch.Tensor,
     packed_nk: torch.Tensor,
     scales_ng: torch.Tensor,
+    zeros_ng: torch.Tensor,
     out: torch.Tensor,
     operands: list[torch.Tensor],
     scalars: list[float],
     group_steps: bool,
-    nibbles: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    nibbles: Nibbles,
     epilogue: Callable[..., torch.Tensor],
 ) -> None:
     """``out = epilogue(x @ dequant(packed_nk, scales_ng).T)`` without a tensor-core dot, for decode's one row:
     :func:`.gemm.gemv_kernel`'s form on the int4 weight. ``packed_nk`` is the layer's [N, K/2] bytes (loads
-    along contiguous K), ``scales_ng`` its [N, K/G] scales; ``x_even`` and ``x_odd`` are x's even and odd
+    along contiguous K), ``scales_ng`` and ``zeros_ng`` its [N, K/G] scales and zero points; ``x_even`` and ``x_odd`` are x's even and odd
     columns seen as [M, N, K/2], stride 0 along N, so each thread loads the x values its bytes multiply.
     Each byte is dequantized as the graph does (nibble, minus the zero point, times the scale, in x's
     dtype), then both its products are taken in fp32. Block sizes [M, N, K], K in bytes; no split-K."""
@@ -336,9 +345,11 @@ def int4_gemv_kernel(
             pair = packed_nk[tile_n, tile_k]
             if group_steps:
                 scale = scales_ng[tile_n, tile_k.begin // group_bytes][:, None]
+                zero = zeros_ng[tile_n, tile_k.begin // group_bytes][:, None]
             else:
                 scale = scales_ng[tile_n, tile_k.index // group_bytes]
-            low, high = nibbles(pair, scale)
+                zero = zeros_ng[tile_n, tile_k.index // group_bytes]
+            low, high = nibbles(pair, scale, zero)
             products = (products + x_even[tile_m, tile_n, tile_k].to(torch.float32) * low.to(torch.float32)[None, :, :]
                         + x_odd[tile_m, tile_n, tile_k].to(torch.float32) * high.to(torch.float32)[None, :, :])
         out[tile_m, tile_n] = epilogue(products.sum(-1), operands, scalars, tile_m, tile_n).to(out.dtype)
@@ -530,8 +541,9 @@ def int4_gemm_helion(
     config_dir: str | None = None,
 ) -> torch.Tensor:
     """``epilogue(x @ w)`` for the int4 weight ``w`` [K, N] that ``packed_kn`` (the [K/2, N] view of the packed
-    [N, K/2] bytes) and ``group_scales`` ([N, K/G], in x's dtype) stand for, as a contiguous [M, N]
-    ``out_dtype`` tensor. The config's K block counts bytes (two columns of K)."""
+    [N, K/2] bytes) and ``group_scales`` ([N, K/G] scales, or [N, K/G, 2] scales and zero points, in x's
+    dtype) stand for, as a contiguous [M, N] ``out_dtype`` tensor. The config's K block counts bytes (two
+    columns of K)."""
     steps, operands, scalars = tuple(steps), list(operands), [float(s) for s in scalars]
     _check_int4_inputs(x, packed_kn, group_scales)
     sig = Signature(
@@ -544,41 +556,32 @@ def int4_gemm_helion(
         config = config_for(m, k, n, x.dtype, x.device, config_dir, INT4_FAMILY)
     paired, config = split_key(config, PAIRED_LOADS)
     gemv, config = split_key(config, GEMV)
-    epilogue, nibbles = tile_epilogue(steps), int4_dequantizer(x)
+    zero_points = group_scales.dim() == 3
+    scales_ng, zeros_ng = (group_scales[:, :, 0], group_scales[:, :, 1]) if zero_points else (group_scales,) * 2
+    epilogue, nibbles = tile_epilogue(steps), int4_dequantizer(x, zero_points)
     group_steps = _steps_within_groups(config, k // 2 // group_scales.shape[1])
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    # What the kernels specialize on besides the signature: the scales' and zero points' strides, the form.
+    variant = (sig, Layout.of(scales_ng), Layout.of(zeros_ng), group_steps, nibbles.__name__)
     if gemv:
-        return _int4_gemv(x, packed_kn, group_scales, out, operands, scalars, group_steps, nibbles, epilogue, sig,
-                          config)
+        x_even, x_odd = (x[:, parity::2][:, None, :].expand(m, n, k // 2) for parity in (0, 1))
+        args = (x_even, x_odd, packed_kn.t(), scales_ng, zeros_ng, out, operands, scalars,
+                hl.constexpr(group_steps), nibbles, epilogue)
+        compiled_kernel(int4_gemv_kernel, args, variant, gemv_kernel_config(config), 1)(*args)
+        return out
     swap_ab, config = split_key(config, SWAP_AB)
     split_k = config.get("split_k", 1)
     target = split_k_target(out, k // 2, split_k)
     x_pairs = x.reshape(m, k // 2, 2)
     if swap_ab:
-        kernel, args = swapped_int4_gemm_kernel, (x_pairs, packed_kn.t(), group_scales, target, operands, scalars,
-                                                  hl.constexpr(group_steps), nibbles, epilogue)
-        variant = (sig, Layout.of(group_scales), group_steps, nibbles.__name__)
+        kernel, args = swapped_int4_gemm_kernel, (x_pairs, packed_kn.t(), scales_ng, zeros_ng, target, operands,
+                                                  scalars, hl.constexpr(group_steps), nibbles, epilogue)
     else:
-        scales_kn = group_scales.t()
-        kernel, args = int4_gemm_kernel, (x_pairs, packed_kn, scales_kn, target, operands, scalars,
-                                          hl.constexpr(paired), hl.constexpr(group_steps), nibbles, epilogue)
-        variant = (sig, Layout.of(scales_kn), paired, group_steps, nibbles.__name__)
+        kernel, args = int4_gemm_kernel, (x_pairs, packed_kn, scales_ng.t(), zeros_ng.t(), target, operands,
+                                          scalars, hl.constexpr(paired), hl.constexpr(group_steps), nibbles, epilogue)
+        variant = (*variant, paired)
     compiled_kernel(kernel, args, variant, config, target.shape[0])(*args)
     return finish_split_k(target, out, split_k, sig, operands, scalars, epilogue)
-
-
-def _int4_gemv(x: torch.Tensor, packed_kn: torch.Tensor, group_scales: torch.Tensor, out: torch.Tensor,
-               operands: list[torch.Tensor], scalars: list[float], group_steps: bool,
-               nibbles: Callable[..., tuple[torch.Tensor, torch.Tensor]], epilogue: Callable[..., torch.Tensor],
-               sig: Signature, config: helion.Config) -> torch.Tensor:
-    """``out`` from :func:`int4_gemv_kernel` (config key ``gemv``, taken out of ``config``)."""
-    (m, k), n = x.shape, packed_kn.shape[1]
-    x_even, x_odd = (x[:, parity::2][:, None, :].expand(m, n, k // 2) for parity in (0, 1))
-    args = (x_even, x_odd, packed_kn.t(), group_scales, out, operands, scalars, hl.constexpr(group_steps), nibbles,
-            epilogue)
-    variant = (sig, Layout.of(group_scales), group_steps, nibbles.__name__)
-    compiled_kernel(int4_gemv_kernel, args, variant, gemv_kernel_config(config), 1)(*args)
-    return out
 
 
 def _steps_within_groups(config: helion.Config, group_bytes: int) -> bool:
@@ -589,10 +592,12 @@ def _steps_within_groups(config: helion.Config, group_bytes: int) -> bool:
 
 
 def _check_int4_inputs(x: torch.Tensor, packed_kn: torch.Tensor, group_scales: torch.Tensor) -> None:
-    if x.dim() != 2 or packed_kn.dim() != 2 or group_scales.dim() != 2:
-        raise ValueError(f"expected x [M, K], packed_kn [K/2, N] and group_scales [N, K/G], got {tuple(x.shape)}, "
-                         f"{tuple(packed_kn.shape)} and {tuple(group_scales.shape)}")
-    k, (k_bytes, n), (scale_n, groups) = x.shape[1], packed_kn.shape, group_scales.shape
+    zero_points = group_scales.dim() == 3 and group_scales.shape[2] == 2
+    if x.dim() != 2 or packed_kn.dim() != 2 or not (group_scales.dim() == 2 or zero_points):
+        raise ValueError(f"expected x [M, K], packed_kn [K/2, N] and group_scales [N, K/G] (or [N, K/G, 2] with "
+                         f"zero points), got {tuple(x.shape)}, {tuple(packed_kn.shape)} and "
+                         f"{tuple(group_scales.shape)}")
+    k, (k_bytes, n), (scale_n, groups) = x.shape[1], packed_kn.shape, group_scales.shape[:2]
     if x.dtype not in SUPPORTED_DTYPES.values() or group_scales.dtype != x.dtype or packed_kn.dtype != torch.uint8:
         raise ValueError(f"expected a float x, uint8 bytes and scales in x's dtype, got {x.dtype}, "
                          f"{packed_kn.dtype} and {group_scales.dtype}")

@@ -367,21 +367,28 @@ class Int8WeightOnlyLinear(_QuantizedLinear):
 
 
 class Int4WeightOnlyLinear(_QuantizedLinear):
-    """int4 weight packed two per byte, a scale per group of ``group_size`` along K, zero point 8.
+    """int4 weight packed two per byte, a scale per group of ``group_size`` along K, and zero point 8 or, with
+    ``zero_points=True``, a zero point per group (asymmetric: each group's range mapped onto 0..15).
 
-    Byte ``j`` of a row holds column ``2j`` in its low nibble and ``2j + 1`` in its high nibble.
+    Byte ``j`` of a row holds column ``2j`` in its low nibble and ``2j + 1`` in its high nibble. Without zero
+    points the buffer ``scales`` is [N, K/G]; with them ``scales_and_zeros`` is [N, K/G, 2], each group's
+    scale then its zero point (an integer 0..15 in the weight's dtype), the weight ``(q - zero) * scale``.
     """
 
-    options = ("group_size",)
+    options = ("group_size", "zero_points")
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
-                 group_size: int = 128) -> None:
+                 group_size: int = 128, zero_points: bool = False) -> None:
         super().__init__(in_features, out_features, bias, dtype, device, group_size=group_size)
         self.group_size = group_size
+        self.zero_points = zero_points
+        groups = in_features // group_size
         self.register_buffer("packed", torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device))
-        self.register_buffer("scales", torch.empty(out_features, in_features // group_size, dtype=dtype,
-                                                   device=device))
+        if zero_points:
+            self.register_buffer("scales_and_zeros", torch.empty(out_features, groups, 2, dtype=dtype, device=device))
+        else:
+            self.register_buffer("scales", torch.empty(out_features, groups, dtype=dtype, device=device))
 
     @classmethod
     def shape_problem(cls, in_features: int, out_features: int, *, group_size: int = 128,
@@ -395,18 +402,33 @@ class Int4WeightOnlyLinear(_QuantizedLinear):
                     f"got in_features={in_features}")
         return None
 
+    @property
+    def group_params(self) -> torch.Tensor:
+        """What the kernels read besides the bytes: ``scales`` [N, K/G], or ``scales_and_zeros`` [N, K/G, 2]."""
+        return self.scales_and_zeros if self.zero_points else self.scales
+
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, group_size: int = 128) -> Int4WeightOnlyLinear:
+    def from_linear(cls, linear: nn.Linear, *, group_size: int = 128,
+                    zero_points: bool = False) -> Int4WeightOnlyLinear:
         w = linear.weight.detach()
         n, k = w.shape
-        mod = cls(k, n, linear.bias is not None, dtype=w.dtype, device=w.device, group_size=group_size)
+        mod = cls(k, n, linear.bias is not None, dtype=w.dtype, device=w.device, group_size=group_size,
+                  zero_points=zero_points)
         with torch.no_grad():
             groups = w.float().reshape(n, k // group_size, group_size)
-            s = (groups.abs().amax(dim=-1) / 7).clamp(min=1e-6).to(w.dtype)  # [N, K/G], as stored
-            q = torch.round(groups / s.float().unsqueeze(-1)).clamp(-8, 7) + 8  # 0..15
+            if zero_points:
+                # The range holds 0.0 (so a zero point in 0..15 stands for it exactly), as torchao's qparams.
+                low, high = groups.amin(dim=-1).clamp(max=0), groups.amax(dim=-1).clamp(min=0)
+                s = ((high - low) / 15).clamp(min=1e-6).to(w.dtype)  # [N, K/G], as stored
+                zero = torch.round((0 - low) / s.float()).clamp(0, 15)  # 0 - low: +0.0 where low is 0
+                q = (torch.round(groups / s.float().unsqueeze(-1)) + zero.unsqueeze(-1)).clamp(0, 15)
+                mod.scales_and_zeros.copy_(torch.stack([s, zero.to(w.dtype)], dim=-1))
+            else:
+                s = (groups.abs().amax(dim=-1) / 7).clamp(min=1e-6).to(w.dtype)  # [N, K/G], as stored
+                q = torch.round(groups / s.float().unsqueeze(-1)).clamp(-8, 7) + 8  # 0..15
+                mod.scales.copy_(s)
             q = q.reshape(n, k).to(torch.uint8)
             mod.packed.copy_(q[:, 0::2] | (q[:, 1::2] << 4))
-            mod.scales.copy_(s)
             mod._copy_bias(linear)
         return mod
 
@@ -416,12 +438,17 @@ class Int4WeightOnlyLinear(_QuantizedLinear):
         low = self.packed & 15
         high = self.packed >> 4
         q = torch.stack([low, high], dim=-1).reshape(n, k)
-        w_dq = ((q.to(x.dtype) - 8).reshape(n, k // g, g) * self.scales.reshape(n, k // g, 1)).reshape(n, k)
+        if self.zero_points:
+            grouped = q.to(x.dtype).reshape(n, k // g, g) - self.scales_and_zeros[:, :, 1:]
+            w_dq = (grouped * self.scales_and_zeros[:, :, :1]).reshape(n, k)
+        else:
+            w_dq = ((q.to(x.dtype) - 8).reshape(n, k // g, g) * self.scales.reshape(n, k // g, 1)).reshape(n, k)
         out = F.linear(x2, w_dq, self.bias)
         return out.reshape(*x.shape[:-1], n)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, group_size={self.group_size}"
+        zero_points = ", zero_points=True" if self.zero_points else ""
+        return f"{super().extra_repr()}, group_size={self.group_size}{zero_points}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -443,20 +470,21 @@ def _quantizable(module: nn.Module) -> bool:
 
 
 def quantize(model: nn.Module, format: str, *, filter_fn: Callable[[nn.Module, str], bool] | None = None,
-             group_size: int = 128, skip_incompatible: bool = False) -> nn.Module:
+             group_size: int = 128, zero_points: bool = False, skip_incompatible: bool = False) -> nn.Module:
     """Replace, in place, each ``nn.Linear`` of ``model`` for which ``filter_fn(linear, qualified_name)``
     holds (default: all) with ``QUANT_FORMATS[format].from_linear(linear)``; return ``model``.
 
     Every layer is checked before any is replaced, so an error leaves the model as it was. A layer
     whose shape the format cannot take raises ValueError naming it and the requirement, or with
-    ``skip_incompatible=True`` stays an ``nn.Linear``. ``group_size`` is for ``int4_weight_only``. A
-    linear reachable under several names is quantized once and shared. If ``model`` itself is an
-    ``nn.Linear``, the quantized layer is returned instead.
+    ``skip_incompatible=True`` stays an ``nn.Linear``. ``group_size`` and ``zero_points`` are for
+    ``int4_weight_only``. A linear reachable under several names is quantized once and shared. If ``model``
+    itself is an ``nn.Linear``, the quantized layer is returned instead.
     """
     if format not in QUANT_FORMATS:
         raise ValueError(f"quantize: unknown format {format!r}; valid formats are {', '.join(QUANT_FORMATS)}")
     cls = QUANT_FORMATS[format]
-    options = {name: value for name, value in {"group_size": group_size}.items() if name in cls.options}
+    given = {"group_size": group_size, "zero_points": zero_points}
+    options = {name: value for name, value in given.items() if name in cls.options}
     selected = filter_fn or (lambda module, name: True)
 
     # (parent, attribute, linear) for each place to replace; parent None is the root itself.

@@ -23,6 +23,7 @@ from helion_backend.semantics.quant_program import QuantProgram, parse_program
 from helion_backend.vocabulary import (
     DEQUANT_FP8_BLOCK,
     DEQUANT_INT4,
+    DEQUANT_INT4_ZP,
     EPILOGUE_STEPS,
     KERNEL_FAMILIES,
     MULTI_GEMM_FAMILIES,
@@ -34,7 +35,7 @@ from helion_backend.vocabulary import (
 
 WEIGHT_LAYOUTS = ("kn", "nk")  # a [K, N] weight used as is; an nn.Linear [N, K] weight seen transposed
 # Prologue steps that read the weight's scales besides the weight (the op's ``weight_scale``).
-SCALED_WEIGHT_STEPS = (DEQUANT_INT4, DEQUANT_FP8_BLOCK)
+SCALED_WEIGHT_STEPS = (DEQUANT_INT4, DEQUANT_INT4_ZP, DEQUANT_FP8_BLOCK)
 _KERNELS = (*KERNEL_FAMILIES, *MULTI_GEMM_FAMILIES.values())
 
 

@@ -96,12 +96,16 @@ def gemm_product(x: torch.Tensor, w_kn: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The [N, K] ``dtype`` weight that ``dequant_int4`` stands for, computed by the graph's own ops in its
-    order (so rounding matches): nibbles low first, converted, minus the zero point, times the scale of
-    each group of K / ``scales.shape[1]`` columns."""
+    """The [N, K] ``dtype`` weight that ``dequant_int4`` (``dequant_int4_zp``) stands for, computed by the
+    graph's own ops in its order (so rounding matches): nibbles low first, converted, minus the zero point,
+    times the scale of each group of K / ``scales.shape[1]`` columns. ``scales`` is [N, K/G], or [N, K/G, 2]
+    each group's scale and zero point."""
     n, k = packed.shape[0], 2 * packed.shape[1]
     groups = scales.shape[1]
     q = torch.stack([packed & INT4_LOW_MASK, packed >> INT4_HIGH_SHIFT], dim=-1).reshape(n, k)
+    if scales.dim() == 3:
+        centered = q.to(dtype).reshape(n, groups, k // groups) - scales[:, :, 1:]
+        return (centered * scales[:, :, :1]).reshape(n, k)
     centered = (q.to(dtype) - INT4_ZERO_POINT).reshape(n, groups, k // groups)
     return (centered * scales.reshape(n, groups, 1)).reshape(n, k)
 

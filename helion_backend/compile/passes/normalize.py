@@ -6,10 +6,10 @@
 weight as stored plus its layout, and what the anchor itself applies after the multiply (addmm's
 bias; _scaled_mm's scales and bias) as leading epilogue steps. An int8 weight converted to the
 activation's dtype on its way in is a ``dequant_int8`` prologue, a packed int4 weight unpacked and
-scaled per group a ``dequant_int4`` one; a float GEMM of two block-fp8 dequantizations (DeepSeek-V3,
-written by hand) takes both, as ``quant_fp8_per_group`` and ``dequant_fp8_block``, and so does a
-``_scaled_mm`` with 1 x 128 activation and 128 x 128 weight scales. The graph is not changed: a site
-that is not fused keeps its original form, which Inductor knows best.
+scaled per group a ``dequant_int4`` one (``dequant_int4_zp`` with zero points); a float GEMM of two
+block-fp8 dequantizations (DeepSeek-V3, written by hand) takes both, as ``quant_fp8_per_group`` and
+``dequant_fp8_block``, and so does a ``_scaled_mm`` with 1 x 128 activation and 128 x 128 weight scales.
+The graph is not changed: a site that is not fused keeps its original form, which Inductor knows best.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from helion_backend.vocabulary import (
     CHANNEL_SCALE,
     DEQUANT_FP8_BLOCK,
     DEQUANT_INT4,
+    DEQUANT_INT4_ZP,
     DEQUANT_INT8,
     FP8_BLOCK,
     QUANT_FP8_PER_GROUP,
@@ -332,7 +333,8 @@ def _fuse_weight_dequant(site: GemmSite) -> None:
 
 
 def _fuse_int4_dequant(site: GemmSite) -> None:
-    """An nn.Linear weight dequantized from packed int4 bytes and group scales: the kernel reads those.
+    """An nn.Linear weight dequantized from packed int4 bytes and group scales (and zero points): the kernel
+    reads those.
 
     A weight unpacked from bytes in any other way stays as the graph computes it, with a note saying
     what differs from the one format the kernel knows.
@@ -341,10 +343,12 @@ def _fuse_int4_dequant(site: GemmSite) -> None:
         return
     found = int4_weight_dequant(site.weight, site.dtype)
     if isinstance(found, Int4WeightDequant):
-        site.fuse_prologue(Step(DEQUANT_INT4, list(found.nodes)), weight=found.packed, weight_scale=found.scales)
+        step = DEQUANT_INT4_ZP if found.zero_points else DEQUANT_INT4
+        site.fuse_prologue(Step(step, list(found.nodes)), weight=found.packed, weight_scale=found.scales)
     elif found is not None:
         site.notes.append(f"the weight is unpacked from uint8 bytes but not as packed int4 with group scales "
-                          f"(dequant_int4): {found}; the GEMM reads the weight as the graph computes it")
+                          f"({DEQUANT_INT4} or {DEQUANT_INT4_ZP}): {found}; the GEMM reads the weight as the "
+                          "graph computes it")
 
 
 def _fuse_block_fp8(site: GemmSite) -> None:

@@ -359,21 +359,25 @@ _LAST_OF_3 = (-1, 2)  # the last dimension of a 3-D tensor, as the graph may spe
 
 @dataclass(frozen=True)
 class Int4WeightDequant:
-    """An [N, K] weight computed from packed int4 bytes and group scales: the tensors, and the chain."""
+    """An [N, K] weight computed from packed int4 bytes and group scales (and zero points): the tensors, and
+    the chain."""
 
     packed: fx.Node  # uint8 [N, K/2]
-    scales: fx.Node  # [N, K/G], in the weight's dtype
+    scales: fx.Node  # [N, K/G] scales, or with zero_points [N, K/G, 2] scales and zero points; the weight's dtype
     nodes: tuple[fx.Node, ...]  # the dequantization, the dequantized weight last
+    zero_points: bool = False
 
 
 def int4_weight_dequant(weight: fx.Node, dtype: torch.dtype) -> Int4WeightDequant | str | None:
     """The int4 dequantization that computes the [N, K] ``weight`` in ``dtype``; a string saying which
     part differs when ``weight`` is unpacked from uint8 bytes in some other way; None when it is not.
 
-    Only the documented format is taken: ``q = stack([p & 15, p >> 4], -1).reshape(N, K)`` (low nibble
-    first), ``((q.to(dtype) - 8).reshape(N, K/G, G) * s.reshape(N, K/G, 1)).reshape(N, K)`` with an even
-    G. Anything else (another nibble order or zero point, a subtraction before the conversion, where
-    uint8 would wrap around, scales broadcast another way) would compute another weight in the kernel.
+    Only the documented formats are taken: ``q = stack([p & 15, p >> 4], -1).reshape(N, K)`` (low nibble
+    first), then ``((q.to(dtype) - 8).reshape(N, K/G, G) * s.reshape(N, K/G, 1)).reshape(N, K)``, or with
+    zero points ``((q.to(dtype).reshape(N, K/G, G) - sz[:, :, 1:]) * sz[:, :, :1]).reshape(N, K)`` with
+    ``sz`` [N, K/G, 2]; an even G. Anything else (another nibble order or zero point, a subtraction before
+    the conversion, where uint8 would wrap around, scales broadcast another way) would compute another
+    weight in the kernel.
     """
     if not _unpacks_bytes(weight):
         return None
@@ -432,7 +436,25 @@ def _int4_chain(weight: fx.Node, dtype: torch.dtype) -> Int4WeightDequant:
             "the groups do not split K")
     _expect(group_size % 2 == 0, f"group size {group_size} is odd (a byte's two columns would span two groups)")
     _expect(val(mul).dtype == dtype, "the product is not in the GEMM's dtype")
-    centered = _reshape_source(grouped_view, (n, groups, group_size), "the grouped values")
+    if grouped_view.target is aten.sub.Tensor:
+        convert, params, centering = _zero_point_centering(grouped_view, scale_view, (n, groups, group_size), dtype)
+    else:
+        convert, params, centering = _fixed_zero_point_centering(grouped_view, scale_view, (n, groups, group_size),
+                                                                 dtype)
+    _expect(convert.target is prims.convert_element_type.default and convert.args[1] == dtype,
+            "the zero point is not subtracted after converting the nibbles to the GEMM's dtype")
+    stacked = _reshape_source(convert.args[0], (n, k), "the unpacked nibbles")
+    packed, nibble_nodes = _nibbles(stacked, n, k)
+    nodes = (*nibble_nodes, stacked, convert.args[0], convert, *centering, mul, weight)
+    return Int4WeightDequant(packed, params, nodes, zero_points=grouped_view.target is aten.sub.Tensor)
+
+
+def _fixed_zero_point_centering(grouped_view: fx.Node, scale_view: fx.Node, grouped: tuple[int, int, int],
+                                dtype: torch.dtype) -> tuple[fx.Node, fx.Node, tuple[fx.Node, ...]]:
+    """``(q.to(dtype) - 8).reshape(N, K/G, G)`` times ``s.reshape(N, K/G, 1)``: the conversion, the [N, K/G]
+    scales and the nodes between them and the product."""
+    n, groups, _ = grouped
+    centered = _reshape_source(grouped_view, grouped, "the grouped values")
     scales = _reshape_source(scale_view, (n, groups, 1), "the scales")
     scales_val = val(scales)
     _expect(scales_val is not None and scales_val.dtype == dtype and same_shape(scales_val.shape, (n, groups)),
@@ -440,13 +462,38 @@ def _int4_chain(weight: fx.Node, dtype: torch.dtype) -> Int4WeightDequant:
     _expect(centered.target is aten.sub.Tensor and centered.kwargs.get("alpha", 1) == 1
             and len(centered.args) == 2 and _is_number(centered.args[1], INT4_ZERO_POINT),
             f"the values are not centered by subtracting the zero point {INT4_ZERO_POINT}")
-    convert = centered.args[0]
-    _expect(convert.target is prims.convert_element_type.default and convert.args[1] == dtype,
-            "the zero point is not subtracted after converting the nibbles to the GEMM's dtype")
-    stacked = _reshape_source(convert.args[0], (n, k), "the unpacked nibbles")
-    packed, nibble_nodes = _nibbles(stacked, n, k)
-    nodes = (*nibble_nodes, stacked, convert.args[0], convert, centered, grouped_view, scale_view, mul, weight)
-    return Int4WeightDequant(packed, scales, nodes)
+    return centered.args[0], scales, (centered, grouped_view, scale_view)
+
+
+def _zero_point_centering(sub: fx.Node, scale_view: fx.Node, grouped: tuple[int, int, int],
+                          dtype: torch.dtype) -> tuple[fx.Node, fx.Node, tuple[fx.Node, ...]]:
+    """``q.to(dtype).reshape(N, K/G, G) - sz[:, :, 1:]`` times ``sz[:, :, :1]`` of one [N, K/G, 2] ``sz``:
+    the conversion, ``sz`` and the nodes between them and the product."""
+    n, groups, _ = grouped
+    _expect(sub.kwargs.get("alpha", 1) == 1 and len(sub.args) == 2 and all(isinstance(a, fx.Node) for a in sub.args),
+            "the grouped values are not centered by subtracting a tensor of zero points")
+    values_view, zero_view = sub.args
+    params = _last_dim_slice(zero_view, 1, "the zero points")
+    _expect(_last_dim_slice(scale_view, 0, "the scales") is params,
+            "the scales and the zero points are not the two halves of one [N, K/G, 2] tensor")
+    params_val = val(params)
+    _expect(params_val is not None and params_val.dtype == dtype and same_shape(params_val.shape, (n, groups, 2)),
+            f"the scales and zero points are not an [N, K/G, 2] = [{n}, {groups}, 2] tensor in {dtype_name(dtype)}")
+    convert = _reshape_source(values_view, grouped, "the grouped values")
+    return convert, params, (values_view, zero_view, sub, scale_view)
+
+
+def _last_dim_slice(node: fx.Node, index: int, what: str) -> fx.Node:
+    """The [N, K/G, 2] tensor whose last-dimension entry ``index`` ``node`` slices out (``sz[:, :, i:i+1]``)."""
+    _expect(isinstance(node, fx.Node) and node.target is aten.slice.Tensor and len(node.args) >= 3,
+            f"{what} are not a slice of the last dimension")
+    source, dim, start = node.args[:3]
+    end = node.args[3] if len(node.args) > 3 else None
+    source_val = val(source) if isinstance(source, fx.Node) else None
+    _expect(source_val is not None and source_val.dim() == 3 and dim in _LAST_OF_3 and start == index
+            and (end == index + 1 or (index == 1 and (end is None or (isinstance(end, int) and end >= 2)))),
+            f"{what} are not entry {index} of the last dimension of a 3-D tensor")
+    return source
 
 
 def _nibbles(stacked: fx.Node, n: int, k: int) -> tuple[fx.Node, tuple[fx.Node, ...]]:

@@ -1,0 +1,116 @@
+"""The library GEMMs a quantized row is compared with, each alone: the kernel the machine already has for the
+format, on inputs already in its form (activation quantized, weight packed), with no epilogue, and the bf16
+GEMM of the float weight.
+
+- ``peer``: tinygemm (``aten._weight_int4pack_mm``) for int4 weight-only, cuBLASLt ``_scaled_mm`` for fp8
+  per token, cuBLAS ``_int_mm`` for int8 W8A8 (rows padded to 17 where M <= 16, as cuBLAS needs);
+  no row for formats without one here (int8 weight-only, block fp8).
+- ``cublas_bf16``: ``torch.mm`` of the activation and the float weight (cuBLAS), what not quantizing costs.
+
+A peer time is a lower bound on what the library path costs (it leaves out the activation's quantization
+and the epilogue), so a row that beats it beats the machine's best kernel, not just torch.compile. Each peer
+is checked against the float64 product of the same prepared inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from helion_backend.layers.quantize import INT_MM_MIN_M, Int4WeightOnlyLinear, _quantize_fp8
+
+PEER, CUBLAS_BF16 = "peer", "cublas_bf16"
+PEER_VARIANTS = (PEER, CUBLAS_BF16)
+# tinygemm's K tiling: K must be a multiple of 16 * TINYGEMM_INNER_K_TILES (torchao's default).
+TINYGEMM_INNER_K_TILES = 8
+
+
+@dataclasses.dataclass
+class PeerCall:
+    """One library GEMM on prepared inputs: ``run()`` launches it; ``reference`` is its float64 product."""
+
+    kernel: str
+    run: Callable[[], torch.Tensor]
+    reference: torch.Tensor
+
+
+def peer_call(variant: str, quant: str | None, weight: torch.Tensor, quantized: torch.nn.Module | None,
+              x: torch.Tensor) -> PeerCall | None:
+    """The ``variant``'s library GEMM for this layer and activation ``x`` [M, K]; None where the format has
+    no peer (``peer`` of a float row, int8 weight-only, block fp8)."""
+    if variant == CUBLAS_BF16:
+        w = weight.to(torch.bfloat16)
+        xb = x.to(torch.bfloat16)
+        return PeerCall("cuBLAS mm (bf16 weight)", lambda: torch.mm(xb, w.t()), xb.double() @ w.double().t())
+    if variant != PEER:
+        raise ValueError(f"unknown peer variant {variant!r}; valid: {', '.join(PEER_VARIANTS)}")
+    build = _PEERS.get(quant or "")
+    return None if build is None else build(quantized, x)
+
+
+def _scaled_mm_peer(layer: torch.nn.Module, x: torch.Tensor) -> PeerCall:
+    xq, scale = _quantize_fp8(x)
+    wq = layer.qweight.t()
+
+    def run() -> torch.Tensor:
+        return torch._scaled_mm(xq, wq, scale_a=scale, scale_b=layer.weight_scale, out_dtype=x.dtype)
+
+    reference = (xq.double() * scale.double()) @ (wq.double() * layer.weight_scale.double())
+    return PeerCall("cuBLASLt _scaled_mm (row-wise scales)", run, reference)
+
+
+def _int_mm_peer(layer: torch.nn.Module, x: torch.Tensor) -> PeerCall:
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    xq = torch.round(x.float() / (amax / 127).clamp(min=1e-5)).clamp(-128, 127).to(torch.int8)
+    rows = max(x.shape[0], INT_MM_MIN_M) if x.is_cuda else x.shape[0]
+    padded = torch.zeros(rows, x.shape[1], dtype=torch.int8, device=x.device)
+    padded[: x.shape[0]] = xq
+    wq = layer.qweight.t()
+    reference = torch.zeros(rows, wq.shape[1], dtype=torch.float64, device=x.device)
+    reference[: x.shape[0]] = xq.double() @ wq.double()
+    return PeerCall(f"cuBLAS _int_mm ({rows} rows)", lambda: torch._int_mm(padded, wq), reference)
+
+
+def tinygemm_operands(layer: Int4WeightOnlyLinear) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's weight in tinygemm's form: its nibbles packed for ``_weight_int4pack_mm`` (CUDA) or
+    ``_weight_int4pack_mm_for_cpu``, and the [K/G, N, 2] scales and zeros in tinygemm's convention,
+    ``w = (q - 8) * scale + zero``: zero 0 for the fixed zero point 8, ``(8 - z) * scale`` for zero point z."""
+    q = torch.stack([layer.packed & 15, layer.packed >> 4], dim=-1).reshape(layer.out_features, layer.in_features)
+    if layer.zero_points:
+        scale, zero_point = layer.scales_and_zeros[:, :, 0], layer.scales_and_zeros[:, :, 1]
+        zero = (8 - zero_point.float()) * scale.float()
+    else:
+        scale, zero = layer.scales, torch.zeros_like(layer.scales, dtype=torch.float32)
+    scales_and_zeros = torch.stack([scale.float(), zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    if layer.packed.is_cuda:  # tinygemm's CUDA packing reads the even column from the high nibble
+        high_first = (q[:, 0::2] << 4 | q[:, 1::2]).to(torch.uint8)
+        packed = torch.ops.aten._convert_weight_to_int4pack(high_first, TINYGEMM_INNER_K_TILES)
+    else:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), TINYGEMM_INNER_K_TILES)
+    return packed, scales_and_zeros
+
+
+def _tinygemm_peer(layer: Int4WeightOnlyLinear, x: torch.Tensor) -> PeerCall | None:
+    if x.dtype != torch.bfloat16 or layer.in_features % (16 * TINYGEMM_INNER_K_TILES):
+        return None  # tinygemm multiplies bf16 rows, K in whole tiles
+    packed, scales_and_zeros = tinygemm_operands(layer)
+    mm = torch.ops.aten._weight_int4pack_mm if x.is_cuda else torch.ops.aten._weight_int4pack_mm_for_cpu
+    group = layer.group_size
+
+    def run() -> torch.Tensor:
+        return mm(x, packed, group, scales_and_zeros)
+
+    n, k = layer.out_features, layer.in_features
+    q = torch.stack([layer.packed & 15, layer.packed >> 4], dim=-1).reshape(n, k).double()
+    scale, zero = scales_and_zeros.double().transpose(0, 1).unbind(-1)  # [N, K/G] each
+    w = ((q.reshape(n, k // group, group) - 8) * scale[..., None] + zero[..., None]).reshape(n, k)
+    return PeerCall("tinygemm _weight_int4pack_mm", run, x.double() @ w.t())
+
+
+_PEERS: dict[str, Callable[[torch.nn.Module, torch.Tensor], PeerCall | None]] = {
+    "fp8_dynamic": _scaled_mm_peer,
+    "int8_dynamic": _int_mm_peer,
+    "int4_weight_only": _tinygemm_peer,
+}
