@@ -13,7 +13,7 @@ Typical use on the GPU machine (one call of at most ten minutes)::
     python benchmarks/bench_gemm.py --full --suite qwen3_8b --m 1,2,4,8 --out-dir "$OUT"   # one shard
     python benchmarks/bench_gemm.py --merge a/nvidia_h200_bf16.json b/nvidia_h200_bf16.json
 
-The quantized suite (``--quant``: formats of :data:`helion_backend.quantize.QUANT_FORMATS`), some formats a
+The quantized suite (``--quant``: the formats of :data:`benchmarks.common.QUANT_RECIPES`), some formats a
 call, each run merged into the committed file (``--merge`` keeps the other formats' rows, and a later run's
 variants replace only those variants)::
 
@@ -62,6 +62,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (
+    QUANT_RECIPES,
     CapturedCalls,
     Ceilings,
     TimingConfig,
@@ -72,6 +73,7 @@ from benchmarks.common import (
     median_replays_ms,
     merged_metadata,
     metadata_union,
+    quantized_layer,
     read_result_files,
     relative_error,
     run_metadata,
@@ -189,9 +191,9 @@ TOLERANCES = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-4}
 # Quantized layers against the float64 result of their float weights: the quantization's own error
 # (fp8 per token: ~28 dB SQNR, rel. error ~0.04; int8: ~40 dB; int8 weight-only: ~42 dB; int4 weight-only,
 # groups of 128: ~23 dB, rel. error ~0.07; block fp8: ~0.04), with margin.
-# Keyed by the names of helion_backend.quantize.QUANT_FORMATS, which --quant offers (a test checks they agree).
+# Keyed by the names of benchmarks.common.QUANT_RECIPES, which --quant offers (a test checks they agree).
 QUANT_TOLERANCES = {"fp8_dynamic": 0.1, "int8_dynamic": 0.04, "int8_weight_only": 0.03, "int4_weight_only": 0.15,
-                    "fp8_block": 0.1}
+                    "fp8_block": 0.1, "int4_weight_only_zp": 0.15}
 # The quantized suite's targets (issue 4): helion_inductor against torch.compile of the same quantized layer,
 # geomean over M <= DECODE_MAX_M, for the formats that have one; on weight-bound rows at those M, at least
 # this fraction of the HBM floor; above DECODE_MAX_M, no row slower than torch.compile by more than 2%.
@@ -200,8 +202,8 @@ FLOOR_FRACTION_TARGET = 0.75
 # Against the library kernels alone (benchmarks/peers.py), worst row at M <= DECODE_MAX_M (issue 28): int4 never
 # slower than tinygemm, and >= 2.5x faster than the bf16 GEMM it replaces (cuBLAS alone bounds the bf16 layer
 # under torch.compile from below).
-PEER_WORST_TARGETS = {"int4_weight_only": 1.0}
-BF16_CUBLAS_WORST_TARGETS = {"int4_weight_only": 2.5}
+PEER_WORST_TARGETS = {"int4_weight_only": 1.0, "int4_weight_only_zp": 1.0}
+BF16_CUBLAS_WORST_TARGETS = {"int4_weight_only": 2.5, "int4_weight_only_zp": 2.5}
 # Shapes no table holds (issue 26, --hold-out): against torch.compile at M <= DECODE_MAX_M.
 HELD_OUT_GEOMEAN_TARGET = 1.05
 HELD_OUT_WORST_TARGET = 0.97
@@ -321,7 +323,7 @@ def quantized_linear(fmt: str, weight: torch.Tensor, bias: torch.Tensor | None) 
         linear.weight.copy_(weight)
         if bias is not None:
             linear.bias.copy_(bias)
-    return QUANT_FORMATS[fmt].from_linear(linear)
+    return quantized_layer(fmt, linear)
 
 
 @functools.cache
@@ -329,7 +331,8 @@ def quantized_weight_bytes(fmt: str, k: int, n: int, dtype: torch.dtype) -> int:
     """Bytes of the quantized weight and its scales (int4: two weights a byte, and a scale per group), as the
     layer stores them: its state, allocated on the meta device (a layer's non-persistent buffers, such as
     the fp8 layer's unit scale, are constants, not weight)."""
-    layer = QUANT_FORMATS[fmt](k, n, bias=False, dtype=dtype, device="meta")
+    base, options = QUANT_RECIPES[fmt]
+    layer = QUANT_FORMATS[base](k, n, bias=False, dtype=dtype, device="meta", **options)
     return sum(tensor.numel() * tensor.element_size() for tensor in layer.state_dict().values())
 
 
@@ -882,7 +885,7 @@ def merge_results(paths: Sequence[Path], out_dir: Path) -> Path:
             row = restate_floors(row, data["metadata"], ceilings)
             case = row_case(row)
             rows[case] = merge_row(rows[case], row) if case in rows else row
-    quants = [q for q in QUANT_FORMATS if q in metadata_union(shards, "quants")]
+    quants = [q for q in QUANT_RECIPES if q in metadata_union(shards, "quants")]
     merged = {
         **merged_metadata(shards, ran={case.label for case in rows}),
         "quants": quants,
@@ -1037,7 +1040,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--epilogues", type=comma_list(EPILOGUES), help="comma list of epilogues")
     parser.add_argument("--m", type=m_list, help=f"comma list of M values, or 'all' {ALL_M}")
     parser.add_argument("--variants", type=comma_list(VARIANTS), help="comma list of variants")
-    parser.add_argument("--quant", type=comma_list(tuple(QUANT_FORMATS)),
+    parser.add_argument("--quant", type=comma_list(tuple(QUANT_RECIPES)),
                         help="the quantized suite: comma list of formats (layers built by helion_backend.quantize); "
                              "run some, then --merge them into the committed file")
     parser.add_argument("--hold-out", type=comma_list(tuple(s for s in SUITES if s != SMOKE_SUITE)), default=(),

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
+from helion_backend.quantize import QUANT_FORMATS
 from helion_backend.tables import gpu_key
 from helion_backend.tuning.timing import (  # noqa: F401  (re-exported for the benchmark scripts)
     CapturedCalls,
@@ -27,6 +28,19 @@ from helion_backend.tuning.timing import (  # noqa: F401  (re-exported for the b
     time_callable_us,
     time_wallclock_us,
 )
+
+# The quantized formats the benchmarks measure, by name: each helion_backend.quantize format as it comes, and
+# int4 with a zero point per group. Name -> (format, options of ``quantize``).
+QUANT_RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
+    **{fmt: (fmt, {}) for fmt in QUANT_FORMATS},
+    "int4_weight_only_zp": ("int4_weight_only", {"zero_points": True}),
+}
+
+
+def quantized_layer(recipe: str, linear: torch.nn.Linear) -> torch.nn.Module:
+    """``linear`` quantized as the benchmark format ``recipe`` says (:data:`QUANT_RECIPES`)."""
+    fmt, options = QUANT_RECIPES[recipe]
+    return QUANT_FORMATS[fmt].from_linear(linear, **options)
 
 
 @dataclasses.dataclass(frozen=True)

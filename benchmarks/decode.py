@@ -88,6 +88,7 @@ from benchmarks.bench_gemm import (
     worst_error,
 )
 from benchmarks.common import (
+    QUANT_RECIPES,
     TimingConfig,
     capture_calls,
     device_tag,
@@ -287,7 +288,8 @@ def build_model(config: DecoderConfig, dtype: torch.dtype, device: torch.device,
 
 FLOAT_FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 BASE_FORMAT = "bf16"  # quantized formats are built from this model and also checked against it
-QUANT_FORMATS = ("fp8_dynamic", "int8_dynamic", "int8_weight_only", "int4_weight_only")
+# Of benchmarks.common.QUANT_RECIPES (block fp8's K and N blocks of 128 do not fit every shape here).
+QUANT_FORMATS = ("fp8_dynamic", "int8_dynamic", "int8_weight_only", "int4_weight_only", "int4_weight_only_zp")
 FORMATS = (*FLOAT_FORMATS, *QUANT_FORMATS)
 # Relative error of the logits allowed against the eager model of the same format. Compiled code
 # rounds differently from eager (fused reductions, other GEMM kernels), and quantized formats re-round
@@ -296,11 +298,12 @@ FORMATS = (*FLOAT_FORMATS, *QUANT_FORMATS)
 # the default model (4 layers, batch 8, Inductor and helion_inductor's reference path): bf16 compiled vs
 # eager 5.5e-3 (eager bf16 vs fp32: 5.7e-3); fp8_dynamic compiled vs eager fp8 3.0e-2, eager fp8 vs eager
 # bf16 4.0e-2. The tolerances leave 3-5x of that; the int8 ones are set from the formats' SQNR, unmeasured.
-TOLERANCES = {"bf16": 3e-2, "fp16": 1e-2, "fp32": 1e-4,
-              "fp8_dynamic": 0.1, "int8_dynamic": 0.05, "int8_weight_only": 3e-2, "int4_weight_only": 3e-2}
+TOLERANCES = {"bf16": 3e-2, "fp16": 1e-2, "fp32": 1e-4, "fp8_dynamic": 0.1, "int8_dynamic": 0.05,
+              "int8_weight_only": 3e-2, "int4_weight_only": 3e-2, "int4_weight_only_zp": 3e-2}
 # Quantized formats against the eager bf16 model: the quantization error of the whole model (int4, groups of
 # 128: 7.6e-2 on the smoke model on the CPU; unmeasured on the default one).
-BASE_TOLERANCES = {"fp8_dynamic": 0.15, "int8_dynamic": 0.06, "int8_weight_only": 0.05, "int4_weight_only": 0.25}
+BASE_TOLERANCES = {"fp8_dynamic": 0.15, "int8_dynamic": 0.06, "int8_weight_only": 0.05, "int4_weight_only": 0.25,
+                   "int4_weight_only_zp": 0.25}
 
 VARIANTS = ("eager", "reduce_overhead", "max_autotune", "helion_inductor")
 HELION = "helion_inductor"
@@ -318,7 +321,8 @@ def make_format_model(fmt: str, base: Decoder, config: DecoderConfig, device: to
         return build_model(config, FLOAT_FORMATS[fmt], device, seed)
     from helion_backend.quantize import quantize
 
-    return quantize(copy.deepcopy(base), fmt)
+    quant_format, options = QUANT_RECIPES[fmt]
+    return quantize(copy.deepcopy(base), quant_format, **options)
 
 
 def lm_head_kind(model: Decoder) -> str:

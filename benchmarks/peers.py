@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from benchmarks.common import QUANT_RECIPES
 from helion_backend.layers.quantize import INT_MM_MIN_M, Int4WeightOnlyLinear, _quantize_fp8
 
 PEER, CUBLAS_BF16 = "peer", "cublas_bf16"
@@ -38,15 +39,16 @@ class PeerCall:
 
 def peer_call(variant: str, quant: str | None, weight: torch.Tensor, quantized: torch.nn.Module | None,
               x: torch.Tensor) -> PeerCall | None:
-    """The ``variant``'s library GEMM for this layer and activation ``x`` [M, K]; None where the format has
-    no peer (``peer`` of a float row, int8 weight-only, block fp8)."""
+    """The ``variant``'s library GEMM for this layer (float ``weight``, ``quantized`` as the benchmark format
+    ``quant`` of :data:`~benchmarks.common.QUANT_RECIPES`) and activation ``x`` [M, K]; None where the format
+    has no peer (``peer`` of a float row, int8 weight-only, block fp8)."""
     if variant == CUBLAS_BF16:
         w = weight.to(torch.bfloat16)
         xb = x.to(torch.bfloat16)
         return PeerCall("cuBLAS mm (bf16 weight)", lambda: torch.mm(xb, w.t()), xb.double() @ w.double().t())
     if variant != PEER:
         raise ValueError(f"unknown peer variant {variant!r}; valid: {', '.join(PEER_VARIANTS)}")
-    build = _PEERS.get(quant or "")
+    build = _PEERS.get(QUANT_RECIPES[quant][0]) if quant else None
     return None if build is None else build(quantized, x)
 
 

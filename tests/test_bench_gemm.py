@@ -16,7 +16,7 @@ if str(ROOT) not in sys.path:  # `pytest` (unlike `python -m pytest`) does not p
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import bench_gemm  # noqa: E402
-from benchmarks.common import MERGED_COMMAND  # noqa: E402
+from benchmarks.common import MERGED_COMMAND, QUANT_RECIPES  # noqa: E402
 from helion_backend import tables  # noqa: E402
 from helion_backend.layers.quantize import QUANT_FORMATS  # noqa: E402
 from helion_backend.tuning.problems import QUANT_FORMAT_OF, quantized_site  # noqa: E402
@@ -26,9 +26,10 @@ FAMILY_OF = {fmt: family for family, fmt in QUANT_FORMAT_OF.items()}
 
 
 def test_every_quantize_format_is_offered_with_a_tolerance():
-    assert set(bench_gemm.QUANT_TOLERANCES) == set(QUANT_FORMATS)
-    assert set(bench_gemm.QUANT_SPEEDUP_TARGETS) <= set(QUANT_FORMATS)
-    assert bench_gemm.parse_args(["--quant", ",".join(reversed(QUANT_FORMATS))]).quant == tuple(QUANT_FORMATS)
+    assert {fmt for fmt, _ in QUANT_RECIPES.values()} == set(QUANT_FORMATS)
+    assert set(bench_gemm.QUANT_TOLERANCES) == set(QUANT_RECIPES)
+    assert set(bench_gemm.QUANT_SPEEDUP_TARGETS) <= set(QUANT_RECIPES)
+    assert bench_gemm.parse_args(["--quant", ",".join(reversed(QUANT_RECIPES))]).quant == tuple(QUANT_RECIPES)
 
 
 @pytest.mark.parametrize("fmt, weight_bytes", [
@@ -37,6 +38,7 @@ def test_every_quantize_format_is_offered_with_a_tolerance():
     ("fp8_dynamic", 1024 * 4096 + 1024 * 4),  # fp8; fp32 scale per channel (not the unit scale of rescale_after)
     ("int8_dynamic", 1024 * 4096 + 1024 * 4),
     ("int8_weight_only", 1024 * 4096 + 1024 * 2),  # int8; bf16 scale per channel
+    ("int4_weight_only_zp", 1024 * 4096 // 2 + 1024 * (4096 // 128) * 4),  # a bf16 scale and zero point per group
 ])
 def test_floor_counts_the_stored_weight_and_scales(fmt, weight_bytes):
     case = bench_gemm.GemmCase("qwen3_8b", "kv", 8, 4096, 1024, "bias", torch.bfloat16, fmt)
