@@ -230,10 +230,11 @@ def test_a_higher_ranked_rule_without_the_prologue_wins_and_the_norm_stays(tmp_p
     assert any("rule my_silu ranks higher" in n for n in site.notes), site.notes
 
 
-def test_a_norm_whose_input_an_earlier_site_swallowed_is_not_fused(op_calls):
+def test_a_norm_whose_input_an_earlier_site_took_on_ends_that_site_and_fuses(op_calls):
     """The last layer's residual sum has one reader, the final norm's float cast, so the down projection's
-    site ends with that cast and the sum is inside it. The lm_head must then read the norm's result:
-    fusing the norm would keep the sum, and the down GEMM under it, running a second time."""
+    site would end with that cast, the sum inside it. The cast only feeds the norm: the down site ends at
+    the sum instead, and the lm_head's prologue reads it and casts it itself (the down GEMM still runs
+    once; nothing is left to a kernel of its own)."""
     torch.manual_seed(3)
     norm = HFRMSNorm(D).to(torch.bfloat16)
     w_down, w_head = torch.randn(D, FF, dtype=torch.bfloat16) / FF**0.5, torch.randn(KV, D, dtype=torch.bfloat16)
@@ -246,9 +247,37 @@ def test_a_norm_whose_input_an_earlier_site_swallowed_is_not_fused(op_calls):
         out, reports = compile_run(fn, h, r, options=CPU_REWRITE)
         expected = fn(h, r)
     down, head = sites(reports)
-    assert down.epilogue == ["residual", "cast"] and head.prologue == [], (down, head)
-    assert any("rmsnorm not fused: its input" in note for note in head.notes), head.notes
+    assert down.epilogue == ["residual"] and head.prologue == ["rmsnorm"], (down, head)
+    assert any("rmsnorm prologue of the next site reads it and takes cast itself" in n for n in down.notes), down.notes
     assert not any("unfused GEMM runs as well" in note for site in (down, head) for note in site.notes)
+    assert op_calls.count == 2
+    assert rel_err(out, expected) <= TOLERANCE[torch.bfloat16]
+
+
+def test_a_norm_whose_input_an_earlier_site_cannot_end_at_is_not_fused(op_calls, tmp_path):
+    """Where the earlier site, ended at the norm's input, would fit no rule (here the only residual rule
+    takes the cast too), it keeps its epilogue: the norm stays unfused, the lm_head reads its result, and
+    the report says why."""
+    torch.manual_seed(4)
+    rules = tmp_path / "rules.toml"
+    rules.write_text('[[rule]]\nname = "residual_then_cast"\nanchor = ["mm", "linear"]\n'
+                     'epilogue = ["residual", "cast"]\n\n'
+                     '[[rule]]\nname = "normed"\nanchor = ["mm", "linear"]\nprologue = ["rmsnorm?"]\n'
+                     'epilogue = ["bias?"]\npriority = -1\n')
+    norm = HFRMSNorm(D).to(torch.bfloat16)
+    w_down, w_head = torch.randn(D, FF, dtype=torch.bfloat16) / FF**0.5, torch.randn(KV, D, dtype=torch.bfloat16)
+
+    def fn(h, r):
+        return F.linear(norm(r + F.linear(h, w_down)), w_head)
+
+    h, r = torch.randn(4, FF, dtype=torch.bfloat16), torch.randn(4, D, dtype=torch.bfloat16)
+    options = {**CPU_REWRITE, "builtin_rules": False, "rules": [str(rules)]}
+    with torch.no_grad():
+        out, reports = compile_run(fn, h, r, options=options)
+        expected = fn(h, r)
+    down, head = sites(reports)
+    assert (down.rule, down.epilogue, head.prologue) == ("residual_then_cast", ["residual", "cast"], []), (down, head)
+    assert any("rmsnorm not fused: its input" in note for note in head.notes), head.notes
     assert op_calls.count == 2
     assert rel_err(out, expected) <= TOLERANCE[torch.bfloat16]
 

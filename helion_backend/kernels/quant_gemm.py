@@ -288,8 +288,8 @@ def swapped_int4_gemm_kernel(
     """``int4_gemm_kernel`` with the operands swapped, as ``swapped_lowp_gemm_kernel`` does for one-byte
     weights: each program computes ``dequant(packed_nk) @ x.T`` for an [N block, M block] tile, then
     transposes it for the epilogue and the store. The weight is read as the layer stores it ([N, K/2] bytes,
-    contiguous along K, with its [N, K/G] scales and zero points) and fills the dot's 64-row side; x's even and odd columns
-    come as pairs (``x_pairs``, x seen as [M, K/2, 2]). Block sizes [M, N, K], K in bytes."""
+    contiguous along K, with its [N, K/G] scales and zero points) and fills the dot's 64-row side; x's even
+    and odd columns come as pairs (``x_pairs``, x seen as [M, K/2, 2]). Block sizes [M, N, K], K in bytes."""
     m, k_bytes, _ = x_pairs.size()
     n = packed_nk.size(0)
     group_bytes = k_bytes // scales_ng.size(1)
@@ -332,8 +332,9 @@ def int4_gemv_kernel(
 ) -> None:
     """``out = epilogue(x @ dequant(packed_nk, scales_ng).T)`` without a tensor-core dot, for decode's one row:
     :func:`.gemm.gemv_kernel`'s form on the int4 weight. ``packed_nk`` is the layer's [N, K/2] bytes (loads
-    along contiguous K), ``scales_ng`` and ``zeros_ng`` its [N, K/G] scales and zero points; ``x_even`` and ``x_odd`` are x's even and odd
-    columns seen as [M, N, K/2], stride 0 along N, so each thread loads the x values its bytes multiply.
+    along contiguous K), ``scales_ng`` and ``zeros_ng`` its [N, K/G] scales and zero points; ``x_even`` and
+    ``x_odd`` are x's even and odd columns seen as [M, N, K/2], stride 0 along N, so each thread loads the x
+    values its bytes multiply.
     Each byte is dequantized as the graph does (nibble, minus the zero point, times the scale, in x's
     dtype), then both its products are taken in fp32. Block sizes [M, N, K], K in bytes; no split-K."""
     m, n, k_bytes = x_even.size()

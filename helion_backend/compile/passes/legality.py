@@ -9,6 +9,8 @@ rules are consulted again, since a shorter epilogue may fit another rule, or non
 
 from __future__ import annotations
 
+import dataclasses
+
 import networkx as nx
 import torch.fx as fx
 
@@ -30,9 +32,13 @@ class LegalityPass(GraphPass):
         dataflow = _dataflow_graph(ctx.graph)
         claimed: set[fx.Node] = set()  # nodes an earlier site swallows (a + b of two GEMMs, say)
         claimed_outputs: set[fx.Node] = set()  # of those, the ones the fused op will produce
+        kept: list[GemmSite] = []  # the sites so far that stay matched, in order
         for site in matched:
             if site.prologue and site.x in claimed and site.x not in claimed_outputs:
-                _drop_prologue_inside_earlier_site(site, ctx)
+                if _end_earlier_site_at_prologue_input(site, kept, ctx):
+                    claimed, claimed_outputs = _claims(kept)
+                else:
+                    _drop_prologue_inside_earlier_site(site, ctx)
                 if site.rule is None:
                     continue
             legal, why = _legal_prefix(site, nx.descendants(dataflow, site.anchor), claimed)
@@ -43,8 +49,41 @@ class LegalityPass(GraphPass):
             if site.rule is not None:
                 _check_types(site)
             if site.rule is not None:
+                kept.append(site)
                 claimed.update(node for step in site.chain for node in step.nodes)
                 claimed_outputs.add(site.output)
+
+
+def _claims(sites: list[GemmSite]) -> tuple[set[fx.Node], set[fx.Node]]:
+    """The nodes ``sites`` swallow, and of those the ones their fused ops produce."""
+    return ({node for site in sites for step in site.chain for node in step.nodes}, {site.output for site in sites})
+
+
+def _end_earlier_site_at_prologue_input(site: GemmSite, kept: list[GemmSite], ctx: PassContext) -> bool:
+    """The prologue reads a value inside an earlier site's epilogue whose remaining steps only feed that
+    prologue (the last layer's residual sum, which the earlier site took on into the final norm's float
+    cast): end the earlier site at the value, so its fused op produces it and the prologue (cast
+    included) reads it. Nothing is computed twice and nothing leaves the fused kernels. False where the
+    steps after the value compute something else, or no rule takes the shorter epilogue whole: the caller
+    then drops the prologue."""
+    owner = next((s for s in kept if any(site.x is step.out for step in s.chain)), None)
+    if owner is None:
+        return False
+    cut = next(i for i, step in enumerate(owner.chain) if step.out is site.x) + 1
+    prologue_nodes = {node for step in site.prologue for node in step.nodes}
+    rest = owner.chain[cut:]
+    if not all(set(step.nodes) <= prologue_nodes for step in rest):
+        return False
+    shorter = dataclasses.replace(owner, chain=owner.chain[:cut], notes=list(owner.notes))
+    choose_rule(shorter, ctx.rules)
+    if shorter.rule is None or shorter.output is not site.x or shorter.prologue != owner.prologue:
+        return False  # no rule takes the whole shorter epilogue: the earlier site stays as it was
+    names = ", ".join(step.name for step in rest)
+    shorter.notes.append(f"epilogue stops at {site.x.name}: the {', '.join(s.name for s in site.prologue)} "
+                         f"prologue of the next site reads it and takes {names} itself")
+    for field in ("chain", "rule", "reason", "objections", "notes"):
+        setattr(owner, field, getattr(shorter, field))
+    return True
 
 
 def _drop_prologue_inside_earlier_site(site: GemmSite, ctx: PassContext) -> None:
