@@ -92,6 +92,7 @@ from benchmarks.common import (
     TimingConfig,
     capture_calls,
     device_tag,
+    measure_ceilings,
     median_replay_ms,
     merged_metadata,
     metadata_union,
@@ -281,6 +282,28 @@ def build_model(config: DecoderConfig, dtype: torch.dtype, device: torch.device,
                 if isinstance(module, RMSNorm):
                     module.weight.normal_(1.0, 0.1)
     return model.to(dtype).eval().requires_grad_(False)
+
+
+def step_bytes(model: Decoder, batch: int) -> int:
+    """The fewest bytes one decode step must move: every weight and buffer once (quantized ones as stored),
+    but of the embedding and the rotary tables only the rows the step reads, of each KV cache only the
+    positions up to the step's (``context``, included), and the logits it writes. What the step's
+    ``hbm_floor_us`` divides by the measured bandwidth; the caches must be allocated for ``batch``."""
+    config = model.config
+    partial = {model.embed.weight, model.cos, model.sin}  # read a row at a time, counted below
+    caches = [cache for layer in model.layers for cache in (layer.attn.k_cache, layer.attn.v_cache)]
+    seen: set[int] = set()
+    total = 0
+    for tensor in (*model.parameters(), *model.buffers()):
+        if id(tensor) in seen or any(tensor is t for t in (*partial, *caches)):
+            continue
+        seen.add(id(tensor))
+        total += tensor.numel() * tensor.element_size()
+    total += batch * config.hidden * model.embed.weight.element_size()  # the tokens' embedding rows
+    total += 2 * config.head_dim * model.cos.element_size()  # one position's cos and sin
+    positions_read = config.context + 1
+    total += sum(cache[:, :, :positions_read].numel() * cache.element_size() for cache in caches)
+    return total + batch * config.vocab * model.embed.weight.element_size()  # the logits
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -732,6 +755,40 @@ def summary_lines(rows: Sequence[dict]) -> list[str]:
     return lines or [f"no rows to compare: {HELION} and one of {', '.join(BASELINES)} must both run"]
 
 
+# Step-time targets at batch 1, GPU time (issues 31 and 28): (format of helion_inductor's row, the other row's
+# format and variant, the least speedup over it).
+STEP_TARGETS = (
+    ("bf16", "bf16", "reduce_overhead", 1.5),
+    ("fp8_dynamic", "fp8_dynamic", "reduce_overhead", 2.2),
+    ("int4_weight_only", "bf16", "reduce_overhead", 2.0),
+    ("int4_weight_only", "fp8_dynamic", HELION, 1.0),
+)
+TARGET_BATCH = 1
+WALL_OVER_GPU_TARGET = 1.10  # helion_inductor's wall time within 10% of its GPU time (issue 31)
+
+
+def target_lines(rows: Sequence[dict]) -> list[str]:
+    """Each step-time target whose rows ran, met or missed, and helion_inductor's wall over GPU time."""
+    lines = []
+    for fmt, other_fmt, other_variant, target in STEP_TARGETS:
+        ours, other = find_row(rows, fmt, TARGET_BATCH, HELION), find_row(rows, other_fmt, TARGET_BATCH, other_variant)
+        if ours is None or other is None or not (row_is_correct(ours) and row_is_correct(other)):
+            continue
+        if ours["gpu_us"] is None or other["gpu_us"] is None:
+            continue
+        ratio = other["gpu_us"] / ours["gpu_us"]
+        floor = ours.get("hbm_floor_us")
+        needs = f"; it needs {100 * floor * target / other['gpu_us']:.0f}% of the HBM floor" if floor else ""
+        lines.append(f"batch {TARGET_BATCH}, GPU: {HELION} {fmt} vs {other_variant} {other_fmt}: {ratio:.2f}x: "
+                     f"{'met' if ratio >= target else 'missed'} (>= {target:g}x{needs})")
+    for row in rows:
+        if row["variant"] == HELION and row["batch"] == TARGET_BATCH and row["wall_us"] and row["gpu_us"]:
+            ratio = row["wall_us"] / row["gpu_us"]
+            lines.append(f"batch {TARGET_BATCH}, {HELION} {row['format']}: wall / GPU {ratio:.2f}: "
+                         f"{'met' if ratio <= WALL_OVER_GPU_TARGET else 'missed'} (<= {WALL_OVER_GPU_TARGET:g})")
+    return lines
+
+
 def format_number(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -755,9 +812,11 @@ def row_cells(row: dict) -> list[str]:
     launches = format_number(row.get("kernels_per_step"), ".0f")
     if row.get("copies_per_step"):
         launches += f" + {row['copies_per_step']:.0f} copies"
+    floor = row.get("hbm_floor_us")
+    of_floor = f"{100 * floor / row['gpu_us']:.0f}%" if floor and row["gpu_us"] else "-"
     return [str(row["batch"]), row["variant"], format_number(row["wall_us"], ".1f"),
-            format_number(row["gpu_us"], ".1f"), launches, err, status, format_number(row["compile_s"], ".1f"),
-            "; ".join(diagnostics) or "-"]
+            format_number(row["gpu_us"], ".1f"), of_floor, launches, err, status,
+            format_number(row["compile_s"], ".1f"), "; ".join(diagnostics) or "-"]
 
 
 def format_section(fmt: str, rows: Sequence[dict]) -> list[str]:
@@ -766,7 +825,8 @@ def format_section(fmt: str, rows: Sequence[dict]) -> list[str]:
     tolerance = f"tolerance {TOLERANCES[fmt]:g} against eager {fmt}"
     if fmt in BASE_TOLERANCES:
         tolerance += f", {BASE_TOLERANCES[fmt]:g} against eager {BASE_FORMAT}"
-    header = ["batch", "variant", "wall µs", "GPU µs", "kernels / step", "rel err", "check", "compile s", "notes"]
+    header = ["batch", "variant", "wall µs", "GPU µs", "GPU % of floor", "kernels / step", "rel err", "check",
+              "compile s", "notes"]
     lines = [f"## {fmt} ({tolerance})", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     rank = {variant: i for i, variant in enumerate(VARIANTS)}
     for row in sorted(mine, key=lambda r: (r["batch"], rank.get(r["variant"], len(rank)))):
@@ -804,6 +864,8 @@ def markdown(metadata: dict, rows: Sequence[dict], title: str | None = None, pre
         f"{config['context']}; lm_head per format: `{metadata.get('lm_head')}`",
         f"- wall µs: {metadata['wall_method']}",
         f"- GPU µs: {metadata['gpu_method']}",
+        f"- GPU % of floor: the step's HBM floor (every weight once, the embedding rows and cache positions it "
+        f"reads, the logits; `step_bytes`) at {metadata.get('memory_bandwidth_gb_s') or 0:.0f} GB/s over its GPU time",
         f"- kernels / step: GPU kernels (+ memory copies and sets) of one step, counted by torch.profiler "
         f"(CUPTI) over {PROFILED_STEPS} steps",
         f"- rel err: {metadata['error_method']}",
@@ -817,6 +879,7 @@ def markdown(metadata: dict, rows: Sequence[dict], title: str | None = None, pre
         "## Summary",
         "",
         *(f"- {line}" for line in summary_lines(rows)),
+        *(f"- {line}" for line in target_lines(rows)),
     ]
     for fmt in ordered(list(dict.fromkeys(row["format"] for row in rows)), FORMATS):
         lines += ["", *format_section(fmt, rows)]
@@ -1005,7 +1068,7 @@ def run_metadata_for(plan: Plan, device: torch.device) -> dict[str, object]:
     }
 
 
-def make_row(fmt: str, batch: int, variant: str, result: RowResult) -> dict:
+def make_row(fmt: str, batch: int, variant: str, result: RowResult, hbm_floor_us: float | None = None) -> dict:
     return {
         "format": fmt,
         "batch": batch,
@@ -1013,6 +1076,7 @@ def make_row(fmt: str, batch: int, variant: str, result: RowResult) -> dict:
         **dataclasses.asdict(result),
         "tolerance": TOLERANCES[fmt],
         "tolerance_base": BASE_TOLERANCES.get(fmt),
+        "hbm_floor_us": hbm_floor_us,
     }
 
 
@@ -1050,6 +1114,8 @@ def run(plan: Plan, out_dir: Path, budget_s: float) -> Path:
     def over_budget() -> bool:
         return bool(budget_s) and time.monotonic() - started > budget_s
 
+    bandwidth = measure_ceilings(device, FLOAT_FORMATS[BASE_FORMAT]).memory_bytes_per_s
+    metadata["memory_bandwidth_gb_s"] = bandwidth / 1e9
     base = build_model(config, FLOAT_FORMATS[BASE_FORMAT], device, plan.seed)
     done = 0
     with torch.no_grad(), torch._inductor.config.patch(dict(plan.inductor_config)):
@@ -1069,6 +1135,7 @@ def run(plan: Plan, out_dir: Path, budget_s: float) -> Path:
                     base_refs = eager_references(base, inputs)
                     base.allocate_cache(1, 1, plan.seed)  # drop the large cache
                 refs = References(eager_references(model, inputs), base_refs)
+                hbm_floor_us = step_bytes(model, batch) / bandwidth * 1e6
                 batch_rows: dict[str, dict] = {}
                 timed_steps: dict[str, Callable[[], torch.Tensor]] = {}
                 for variant in plan.variants:
@@ -1081,7 +1148,7 @@ def run(plan: Plan, out_dir: Path, budget_s: float) -> Path:
                         summaries = [r.summary() for r in import_helion_backend().get_reports()]
                         metadata["helion_reports"][fmt] = summaries
                         print(f"{HELION} report, {fmt}, batch {batch}:", *summaries, sep="\n", flush=True)
-                    rows.append(make_row(fmt, batch, variant, result))
+                    rows.append(make_row(fmt, batch, variant, result, hbm_floor_us))
                     batch_rows[variant] = rows[-1]
                     done += 1
                     write_results(out_dir, metadata, rows)

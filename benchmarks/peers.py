@@ -20,7 +20,13 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.common import QUANT_RECIPES
-from helion_backend.layers.quantize import INT_MM_MIN_M, Int4WeightOnlyLinear, _quantize_fp8
+from helion_backend.layers.quantize import (
+    INT_MM_MIN_M,
+    Fp8DynamicLinear,
+    Int4WeightOnlyLinear,
+    Int8DynamicLinear,
+)
+from helion_backend.semantics.reference import dequantize_int4
 
 PEER, CUBLAS_BF16 = "peer", "cublas_bf16"
 PEER_VARIANTS = (PEER, CUBLAS_BF16)
@@ -52,8 +58,8 @@ def peer_call(variant: str, quant: str | None, weight: torch.Tensor, quantized: 
     return None if build is None else build(quantized, x)
 
 
-def _scaled_mm_peer(layer: torch.nn.Module, x: torch.Tensor) -> PeerCall:
-    xq, scale = _quantize_fp8(x)
+def _scaled_mm_peer(layer: Fp8DynamicLinear, x: torch.Tensor) -> PeerCall:
+    xq, scale = layer.quantize_activation(x)
     wq = layer.qweight.t()
 
     def run() -> torch.Tensor:
@@ -63,9 +69,8 @@ def _scaled_mm_peer(layer: torch.nn.Module, x: torch.Tensor) -> PeerCall:
     return PeerCall("cuBLASLt _scaled_mm (row-wise scales)", run, reference)
 
 
-def _int_mm_peer(layer: torch.nn.Module, x: torch.Tensor) -> PeerCall:
-    amax = x.abs().amax(dim=-1, keepdim=True).float()
-    xq = torch.round(x.float() / (amax / 127).clamp(min=1e-5)).clamp(-128, 127).to(torch.int8)
+def _int_mm_peer(layer: Int8DynamicLinear, x: torch.Tensor) -> PeerCall:
+    xq, _ = layer.quantize_activation(x)
     rows = max(x.shape[0], INT_MM_MIN_M) if x.is_cuda else x.shape[0]
     padded = torch.zeros(rows, x.shape[1], dtype=torch.int8, device=x.device)
     padded[: x.shape[0]] = xq
@@ -104,10 +109,8 @@ def _tinygemm_peer(layer: Int4WeightOnlyLinear, x: torch.Tensor) -> PeerCall | N
     def run() -> torch.Tensor:
         return mm(x, packed, group, scales_and_zeros)
 
-    n, k = layer.out_features, layer.in_features
-    q = torch.stack([layer.packed & 15, layer.packed >> 4], dim=-1).reshape(n, k).double()
-    scale, zero = scales_and_zeros.double().transpose(0, 1).unbind(-1)  # [N, K/G] each
-    w = ((q.reshape(n, k // group, group) - 8) * scale[..., None] + zero[..., None]).reshape(n, k)
+    # The layer's own weight: tinygemm's bf16 zeros ((8 - z) * scale, rounded) count as its error.
+    w = dequantize_int4(layer.packed, layer.group_params, torch.float64)
     return PeerCall("tinygemm _weight_int4pack_mm", run, x.double() @ w.t())
 
 

@@ -173,3 +173,37 @@ def test_launch_counts_take_the_gpus_kernels_and_copies_apart():
     events = [(cuda, "_helion_gemm_kernel"), (cuda, "triton_red_fused_add_mean_0"), (cuda, "Memcpy DtoD (Device -> Device)"),
               (cuda, "Memset (Device)"), (cpu, "aten::mm"), (cpu, "cudaGraphLaunch"), (cuda, "nvjet_tst_64x8")]
     assert decode.count_gpu_activity(events) == (3, 2)
+
+
+def test_step_targets_are_set_against_the_rows_that_ran():
+    """Batch 1, GPU time: each target whose two rows ran and are correct is met or missed, int4 against the
+    bf16 model under reduce-overhead; helion_inductor's wall time is set against its GPU time."""
+    def row(fmt, variant, gpu_us, wall_us, batch=1):
+        return {"format": fmt, "variant": variant, "batch": batch, "gpu_us": gpu_us, "wall_us": wall_us,
+                "rel_err": 1e-3, "tolerance": 3e-2, "rel_err_base": None, "tolerance_base": None}
+
+    rows = [row("bf16", "reduce_overhead", 900.0, 1000.0), row("bf16", decode.HELION, 600.0, 640.0),
+            row("int4_weight_only", decode.HELION, 500.0, 600.0), row("bf16", decode.HELION, 10.0, 10.0, batch=8)]
+    rows[1]["hbm_floor_us"] = 540.0  # 1.5x over 900 us asks for 600 us, 90% of the floor
+    assert decode.target_lines(rows) == [
+        "batch 1, GPU: helion_inductor bf16 vs reduce_overhead bf16: 1.50x: met (>= 1.5x; it needs 90% of the HBM "
+        "floor)",
+        "batch 1, GPU: helion_inductor int4_weight_only vs reduce_overhead bf16: 1.80x: missed (>= 2x)",
+        "batch 1, helion_inductor bf16: wall / GPU 1.07: met (<= 1.1)",
+        "batch 1, helion_inductor int4_weight_only: wall / GPU 1.20: missed (<= 1.1)",
+    ]
+
+
+def test_step_bytes_count_each_weight_once_and_only_what_the_step_reads():
+    """A step's floor: every weight and norm once, the tokens' embedding rows (not the table), one position's
+    rotary angles, each cache up to the step's position, and the logits."""
+    model = decode.build_model(TINY, torch.float32, torch.device("cpu"), seed=0)
+    batch, c = 3, TINY
+    model.allocate_cache(batch, c.context, seed=1)
+    q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
+    layer = c.hidden * (2 * q + 2 * kv) + 3 * c.hidden * c.intermediate + 2 * c.head_dim + 2 * c.hidden
+    weights = c.layers * layer + c.hidden + c.hidden * c.vocab  # the layers, the final norm, the LM head
+    caches = c.layers * 2 * batch * kv * (c.context + 1)
+    reads = batch * c.hidden + 2 * c.head_dim + batch * c.vocab  # embedding rows, cos and sin, logits
+    positions = c.max_len * 8  # the int64 positions the mask compares against
+    assert decode.step_bytes(model, batch) == 4 * (weights + caches + reads) + positions

@@ -41,11 +41,9 @@ def int4_zero_point_nibbles(pair: torch.Tensor, scale: torch.Tensor,
 # MAGIC + nibble (one prmt and one lop3 for two values), then one fused multiply-add subtracts
 # MAGIC + zero point (exact) and one multiplies by the scale (rounded once, as the graph's product). Two
 # values a 32-bit register; $4 holds the four bytes, $5 and $6 their scales, $0-$1 the low nibbles' values
-# and $2-$3 the high ones'.
-_INT4_NIBBLES_PTX = """{
-.reg .b32 pair01, pair23, q0, q1, q2, q3, one, bias, negzero, zero;
-mov.b32 one, ONE; mov.b32 bias, BIAS; mov.b32 negzero, 0x80008000; mov.b32 zero, 0;
-prmt.b32 pair01, $4, zero, 0x4140;
+# and $2-$3 the high ones'. _NIBBLES_INTO_MAGIC leaves MAGIC + the low nibbles of bytes 0-1 and 2-3 in q0
+# and q1, MAGIC + the high ones in q2 and q3.
+_NIBBLES_INTO_MAGIC = """prmt.b32 pair01, $4, zero, 0x4140;
 prmt.b32 pair23, $4, zero, 0x4342;
 lop3.b32 q0, pair01, 0x000F000F, MAGIC, 0xEA;
 lop3.b32 q1, pair23, 0x000F000F, MAGIC, 0xEA;
@@ -53,31 +51,26 @@ shr.b32 pair01, pair01, 4;
 shr.b32 pair23, pair23, 4;
 lop3.b32 q2, pair01, 0x000F000F, MAGIC, 0xEA;
 lop3.b32 q3, pair23, 0x000F000F, MAGIC, 0xEA;
-fma.rn.TYPE q0, q0, one, bias; fma.rn.TYPE q1, q1, one, bias;
-fma.rn.TYPE q2, q2, one, bias; fma.rn.TYPE q3, q3, one, bias;
-fma.rn.TYPE $0, q0, $5, negzero; fma.rn.TYPE $1, q1, $6, negzero;
+"""
+_TIMES_SCALES = """fma.rn.TYPE $0, q0, $5, negzero; fma.rn.TYPE $1, q1, $6, negzero;
 fma.rn.TYPE $2, q2, $5, negzero; fma.rn.TYPE $3, q3, $6, negzero;
 }"""
+_INT4_NIBBLES_PTX = """{
+.reg .b32 pair01, pair23, q0, q1, q2, q3, one, bias, negzero, zero;
+mov.b32 one, ONE; mov.b32 bias, BIAS; mov.b32 negzero, 0x80008000; mov.b32 zero, 0;
+""" + _NIBBLES_INTO_MAGIC + """fma.rn.TYPE q0, q0, one, bias; fma.rn.TYPE q1, q1, one, bias;
+fma.rn.TYPE q2, q2, one, bias; fma.rn.TYPE q3, q3, one, bias;
+""" + _TIMES_SCALES
 # With zero points: the first FMA subtracts MAGIC alone (the nibble, exact), one more subtracts the group's
 # zero point ($7 and $8, rounded once, as the graph's subtraction), and the last multiplies by the scale.
 _INT4_ZERO_POINT_NIBBLES_PTX = """{
 .reg .b32 pair01, pair23, q0, q1, q2, q3, one, negone, negmagic, negzero, zero;
 mov.b32 one, ONE; mov.b32 negone, NEGONE; mov.b32 negmagic, NEGMAGIC; mov.b32 negzero, 0x80008000; mov.b32 zero, 0;
-prmt.b32 pair01, $4, zero, 0x4140;
-prmt.b32 pair23, $4, zero, 0x4342;
-lop3.b32 q0, pair01, 0x000F000F, MAGIC, 0xEA;
-lop3.b32 q1, pair23, 0x000F000F, MAGIC, 0xEA;
-shr.b32 pair01, pair01, 4;
-shr.b32 pair23, pair23, 4;
-lop3.b32 q2, pair01, 0x000F000F, MAGIC, 0xEA;
-lop3.b32 q3, pair23, 0x000F000F, MAGIC, 0xEA;
-fma.rn.TYPE q0, q0, one, negmagic; fma.rn.TYPE q1, q1, one, negmagic;
+""" + _NIBBLES_INTO_MAGIC + """fma.rn.TYPE q0, q0, one, negmagic; fma.rn.TYPE q1, q1, one, negmagic;
 fma.rn.TYPE q2, q2, one, negmagic; fma.rn.TYPE q3, q3, one, negmagic;
 fma.rn.TYPE q0, $7, negone, q0; fma.rn.TYPE q1, $8, negone, q1;
 fma.rn.TYPE q2, $7, negone, q2; fma.rn.TYPE q3, $8, negone, q3;
-fma.rn.TYPE $0, q0, $5, negzero; fma.rn.TYPE $1, q1, $6, negzero;
-fma.rn.TYPE $2, q2, $5, negzero; fma.rn.TYPE $3, q3, $6, negzero;
-}"""
+""" + _TIMES_SCALES
 
 
 @dataclass(frozen=True)

@@ -142,8 +142,13 @@ class Fp8DynamicLinear(_QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        xq, scale = _quantize_fp8(x2)
+        xq, scale = self.quantize_activation(x2)
         return self.forward_quantized(xq, scale, x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    @staticmethod
+    def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of ``x`` [M, K] quantized as the forward does: fp8 [M, K] and their fp32 scales [M, 1]."""
+        return _quantize_fp8(x)
 
     def forward_quantized(self, xq: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The [M, N] ``dtype`` result for rows already quantized (``xq`` [M, K], ``scale`` [M, 1]): what a
@@ -224,10 +229,15 @@ class Int8DynamicLinear(_QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        amax = x2.abs().amax(dim=-1, keepdim=True)
-        scale = (amax.to(torch.float32) / 127.0).clamp(min=1e-5)
-        xq = torch.round(x2.to(torch.float32) / scale).clamp(-128, 127).to(torch.int8)
+        xq, scale = self.quantize_activation(x2)
         return self.forward_quantized(xq, scale, x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    @staticmethod
+    def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of ``x`` [M, K] quantized as the forward does: int8 [M, K] and their fp32 scales [M, 1]."""
+        amax = x.abs().amax(dim=-1, keepdim=True)
+        scale = (amax.to(torch.float32) / 127.0).clamp(min=1e-5)
+        return torch.round(x.to(torch.float32) / scale).clamp(-128, 127).to(torch.int8), scale
 
     def forward_quantized(self, xq: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The [M, N] ``dtype`` result for rows already quantized (``xq`` [M, K], ``scale`` [M, 1]), as
