@@ -523,6 +523,29 @@ def test_int4_swapped_form_dequantizes_as_the_graph(m, split_k, zero_points, k, 
     assert rel_err(out, reference(x, w_kn, steps, operands, [], torch.float64)) <= TOLERANCE[dtype]
 
 
+def test_int4_zero_points_read_from_a_strided_view():
+    """Scales and zero points held apart ([2, N, K/G], seen as [N, K/G, 2], so neither half is contiguous)
+    are read where they are, by their strides."""
+    import torch.nn as nn
+
+    from helion_backend.kernels.quant_gemm import int4_gemm_helion
+    from helion_backend.layers.quantize import Int4WeightOnlyLinear
+    from helion_backend.semantics.reference import dequantize_int4, reference
+
+    torch.manual_seed(5)
+    dtype = torch.float16
+    layer = Int4WeightOnlyLinear.from_linear(nn.Linear(640, 24).to(dtype), group_size=64, zero_points=True)
+    apart = layer.scales_and_zeros.permute(2, 0, 1).contiguous()  # [2, N, K/G]
+    params = apart.permute(1, 2, 0)
+    assert torch.equal(params, layer.scales_and_zeros) and not params.is_contiguous()
+    x = torch.randn(3, 640, dtype=dtype)
+    for extra in ({}, {"swap_ab": True}, {"gemv": True}):
+        config = helion.Config(block_sizes=[16, 8, 32], num_warps=4, num_stages=1, split_k=1, **extra)
+        out = int4_gemm_helion(x, layer.packed.t(), params, (), [], [], dtype, config=config)
+        w_kn = dequantize_int4(layer.packed, params, dtype).t()
+        assert rel_err(out, reference(x, w_kn, (), [], [], torch.float64)) <= TOLERANCE[dtype], extra
+
+
 def test_int4_kernel_refuses_scales_that_do_not_fit():
     from helion_backend.kernels.quant_gemm import int4_gemm_helion
 
