@@ -2,9 +2,10 @@
 format, on inputs already in its form (activation quantized, weight packed), with no epilogue, and the bf16
 GEMM of the float weight.
 
-- ``peer``: tinygemm (``aten._weight_int4pack_mm``) for int4 weight-only, cuBLASLt ``_scaled_mm`` for fp8
-  per token, cuBLAS ``_int_mm`` for int8 W8A8 (rows padded to 17 where M <= 16, as cuBLAS needs);
-  no row for formats without one here (int8 weight-only, block fp8).
+- ``peer``: tinygemm (``aten._weight_int4pack_mm``) for int4 weight-only, ``aten._weight_int8pack_mm`` for
+  int8 weight-only, cuBLASLt ``_scaled_mm`` for fp8 per token, cuBLAS ``_int_mm`` for int8 W8A8 (rows padded
+  to 17 where M <= 16, as cuBLAS needs); none for block fp8 (its blockwise ``_scaled_mm`` exists only on some
+  builds and GPUs).
 - ``cublas_bf16``: ``torch.mm`` of the activation and the float weight (cuBLAS), what not quantizing costs.
 
 A peer time is a lower bound on what the library path costs (it leaves out the activation's quantization
@@ -25,6 +26,7 @@ from helion_backend.layers.quantize import (
     Fp8DynamicLinear,
     Int4WeightOnlyLinear,
     Int8DynamicLinear,
+    Int8WeightOnlyLinear,
 )
 from helion_backend.semantics.reference import dequantize_int4
 
@@ -47,7 +49,7 @@ def peer_call(variant: str, quant: str | None, weight: torch.Tensor, quantized: 
               x: torch.Tensor) -> PeerCall | None:
     """The ``variant``'s library GEMM for this layer (float ``weight``, ``quantized`` as the benchmark format
     ``quant`` of :data:`~benchmarks.common.QUANT_RECIPES`) and activation ``x`` [M, K]; None where the format
-    has no peer (``peer`` of a float row, int8 weight-only, block fp8)."""
+    has no peer (``peer`` of a float row, block fp8)."""
     if variant == CUBLAS_BF16:
         w = weight.to(torch.bfloat16)
         xb = x.to(torch.bfloat16)
@@ -78,6 +80,14 @@ def _int_mm_peer(layer: Int8DynamicLinear, x: torch.Tensor) -> PeerCall:
     reference = torch.zeros(rows, wq.shape[1], dtype=torch.float64, device=x.device)
     reference[: x.shape[0]] = xq.double() @ wq.double()
     return PeerCall(f"cuBLAS _int_mm ({rows} rows)", lambda: torch._int_mm(padded, wq), reference)
+
+
+def _int8pack_mm_peer(layer: Int8WeightOnlyLinear, x: torch.Tensor) -> PeerCall:
+    def run() -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.weight_scale)
+
+    reference = (x.double() @ layer.qweight.double().t()) * layer.weight_scale.double()
+    return PeerCall("aten _weight_int8pack_mm", run, reference)
 
 
 def tinygemm_operands(layer: Int4WeightOnlyLinear) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,5 +127,6 @@ def _tinygemm_peer(layer: Int4WeightOnlyLinear, x: torch.Tensor) -> PeerCall | N
 _PEERS: dict[str, Callable[[torch.nn.Module, torch.Tensor], PeerCall | None]] = {
     "fp8_dynamic": _scaled_mm_peer,
     "int8_dynamic": _int_mm_peer,
+    "int8_weight_only": _int8pack_mm_peer,
     "int4_weight_only": _tinygemm_peer,
 }

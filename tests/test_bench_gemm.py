@@ -71,7 +71,8 @@ def test_a_variant_that_cannot_run_at_some_m_is_recorded_with_its_reason(monkeyp
 
 @pytest.mark.parametrize("fmt, kernel", [("int4_weight_only", "tinygemm _weight_int4pack_mm"),
                                          ("fp8_dynamic", "cuBLASLt _scaled_mm (row-wise scales)"),
-                                         ("int8_dynamic", "cuBLAS _int_mm (3 rows)"), ("fp8_block", None)])
+                                         ("int8_dynamic", "cuBLAS _int_mm (3 rows)"),
+                                         ("int8_weight_only", "aten _weight_int8pack_mm"), ("fp8_block", None)])
 def test_peers_alone_are_measured_beside_each_row(fmt, kernel):
     """The library kernel of the format (``peer``) and the bf16 GEMM (``cublas_bf16``), each alone on its
     prepared inputs: checked against their float64 products, timed, named, and in the table beside the
