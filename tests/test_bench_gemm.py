@@ -290,3 +290,18 @@ def test_popular_preset_and_hold_out_parse():
     assert len(bench_gemm.plan_cases(plan)) == 3 * sum(len(bench_gemm.SUITES[s]) for s in bench_gemm.POPULAR_SUITES)
     with pytest.raises(SystemExit):
         bench_gemm.parse_args(["--hold-out", "llama9"])
+
+
+def test_a_quantized_row_must_match_the_unfused_layer_to_40_db():
+    """A variant within the format's tolerance of float64 but 2% off the eager quantized layer (a wrong
+    scale the quantization error would hide) is not correct, and the summary's SQNR cell says so."""
+    row = {"quant": "int4_weight_only", "dtype": "bf16", "times_us": {bench_gemm.HELION: 5.0, "compile": 6.0},
+           "rel_err": {bench_gemm.HELION: 0.08, "compile": 0.08},
+           "rel_err_layer": {bench_gemm.HELION: 2e-2, "compile": 3e-3}}
+    assert not bench_gemm.row_is_correct(row, bench_gemm.HELION) and bench_gemm.row_is_correct(row, "compile")
+    assert bench_gemm.worst_layer_sqnr([row]) == "34.0 dB (n=1): missed (>= 40 dB)"
+    row["rel_err_layer"][bench_gemm.HELION] = 1e-3
+    assert bench_gemm.row_is_correct(row, bench_gemm.HELION)
+    assert bench_gemm.worst_layer_sqnr([row]) == "60.0 dB (n=1): met (>= 40 dB)"
+    del row["rel_err_layer"]  # rows measured before the check keep their verdict
+    assert bench_gemm.row_is_correct(row, bench_gemm.HELION)
