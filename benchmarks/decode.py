@@ -311,7 +311,7 @@ def step_bytes(model: Decoder, batch: int) -> int:
 
 FLOAT_FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 BASE_FORMAT = "bf16"  # quantized formats are built from this model and also checked against it
-# Of benchmarks.common.QUANT_RECIPES (block fp8's K and N blocks of 128 do not fit every shape here).
+# The quantized formats the decoder is built in (names of benchmarks.common.QUANT_RECIPES).
 QUANT_FORMATS = ("fp8_dynamic", "int8_dynamic", "int8_weight_only", "int4_weight_only", "int4_weight_only_zp")
 FORMATS = (*FLOAT_FORMATS, *QUANT_FORMATS)
 # Relative error of the logits allowed against the eager model of the same format. Compiled code
