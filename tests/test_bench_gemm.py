@@ -293,11 +293,12 @@ def test_popular_preset_and_hold_out_parse():
 
 
 def test_a_quantized_row_must_match_the_unfused_layer_to_40_db():
-    """A variant within the format's tolerance of float64 but 2% off the eager quantized layer (a wrong
-    scale the quantization error would hide) is not correct, and the summary's SQNR cell says so."""
+    """helion_inductor within the format's tolerance of float64 but 2% off the eager quantized layer (a wrong
+    scale the quantization error would hide) is not correct, and the summary's SQNR cell says so; a
+    baseline's own distance from the eager layer is recorded, not judged."""
     row = {"quant": "int4_weight_only", "dtype": "bf16", "times_us": {bench_gemm.HELION: 5.0, "compile": 6.0},
            "rel_err": {bench_gemm.HELION: 0.08, "compile": 0.08},
-           "rel_err_layer": {bench_gemm.HELION: 2e-2, "compile": 3e-3}}
+           "rel_err_layer": {bench_gemm.HELION: 2e-2, "compile": 5e-2}}
     assert not bench_gemm.row_is_correct(row, bench_gemm.HELION) and bench_gemm.row_is_correct(row, "compile")
     assert bench_gemm.worst_layer_sqnr([row]) == "34.0 dB (n=1): missed (>= 40 dB)"
     row["rel_err_layer"][bench_gemm.HELION] = 1e-3
