@@ -22,6 +22,10 @@ variants replace only those variants)::
     python benchmarks/bench_gemm.py --merge benchmarks/results/nvidia_h200_quant.json \
         "$OUT/run/nvidia_h200_quant.json" --out-dir "$OUT"
 
+Beside the compiled variants, ``peer`` and ``cublas_bf16`` time the library kernels alone on prepared inputs
+(:mod:`benchmarks.peers`: tinygemm, ``_weight_int8pack_mm``, ``_scaled_mm``, ``_int_mm``; the bf16 GEMM), so
+each row also says how far it is from the best kernel the machine has.
+
 The popular families' shapes (Llama-3.1-8B, Llama-3.2-1B/3B, Mistral-7B, Qwen2.5-7B/14B, Gemma-2-2B),
 tuned and untuned: ``--hold-out`` removes a family's shapes from the config tables for the run (leave one
 family out), so its rows show what a model nobody tuned gets, and the summary compares them with the rest::
