@@ -582,7 +582,8 @@ def _capture_peer(
     def step(i: int) -> torch.Tensor:
         return calls[i % len(calls)].run()
 
-    result.rel_err = relative_error(step(0), calls[0].reference)
+    reference = calls[0].reference()
+    result.rel_err = relative_error(step(0), reference)
     timing = dataclasses.replace(timing, warmup_calls=max(timing.warmup_calls, len(calls)))
     if device.type != "cuda":
         result.time_us = time_wallclock_us(step, timing)
@@ -590,7 +591,7 @@ def _capture_peer(
     captured = capture_calls(step, timing)
     captured.graph.replay()
     synchronize(device)
-    result.rel_err = worst_error(result.rel_err, relative_error(captured.outputs[0], calls[0].reference))
+    result.rel_err = worst_error(result.rel_err, relative_error(captured.outputs[0], reference))
     return captured
 
 

@@ -290,15 +290,14 @@ def step_bytes(model: Decoder, batch: int) -> int:
     positions up to the step's (``context``, included), and the logits it writes. What the step's
     ``hbm_floor_us`` divides by the measured bandwidth; the caches must be allocated for ``batch``."""
     config = model.config
-    partial = {model.embed.weight, model.cos, model.sin}  # read a row at a time, counted below
     caches = [cache for layer in model.layers for cache in (layer.attn.k_cache, layer.attn.v_cache)]
-    seen: set[int] = set()
+    # Each tensor once; the embedding, the rotary tables and the caches are read in part, counted below.
+    seen = {id(tensor) for tensor in (model.embed.weight, model.cos, model.sin, *caches)}
     total = 0
     for tensor in (*model.parameters(), *model.buffers()):
-        if id(tensor) in seen or any(tensor is t for t in (*partial, *caches)):
-            continue
-        seen.add(id(tensor))
-        total += tensor.numel() * tensor.element_size()
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            total += tensor.numel() * tensor.element_size()
     total += batch * config.hidden * model.embed.weight.element_size()  # the tokens' embedding rows
     total += 2 * config.head_dim * model.cos.element_size()  # one position's cos and sin
     positions_read = config.context + 1

@@ -38,11 +38,12 @@ TINYGEMM_INNER_K_TILES = 8
 
 @dataclasses.dataclass
 class PeerCall:
-    """One library GEMM on prepared inputs: ``run()`` launches it; ``reference`` is its float64 product."""
+    """One library GEMM on prepared inputs: ``run()`` launches it; ``reference()`` computes its float64
+    product (only the checked copy's is ever computed: a float64 weight is 8 bytes an element)."""
 
     kernel: str
     run: Callable[[], torch.Tensor]
-    reference: torch.Tensor
+    reference: Callable[[], torch.Tensor]
 
 
 def peer_call(variant: str, quant: str | None, weight: torch.Tensor, quantized: torch.nn.Module | None,
@@ -53,7 +54,7 @@ def peer_call(variant: str, quant: str | None, weight: torch.Tensor, quantized: 
     if variant == CUBLAS_BF16:
         w = weight.to(torch.bfloat16)
         xb = x.to(torch.bfloat16)
-        return PeerCall("cuBLAS mm (bf16 weight)", lambda: torch.mm(xb, w.t()), xb.double() @ w.double().t())
+        return PeerCall("cuBLAS mm (bf16 weight)", lambda: torch.mm(xb, w.t()), lambda: xb.double() @ w.double().t())
     if variant != PEER:
         raise ValueError(f"unknown peer variant {variant!r}; valid: {', '.join(PEER_VARIANTS)}")
     build = _PEERS.get(QUANT_RECIPES[quant][0]) if quant else None
@@ -67,7 +68,9 @@ def _scaled_mm_peer(layer: Fp8DynamicLinear, x: torch.Tensor) -> PeerCall:
     def run() -> torch.Tensor:
         return torch._scaled_mm(xq, wq, scale_a=scale, scale_b=layer.weight_scale, out_dtype=x.dtype)
 
-    reference = (xq.double() * scale.double()) @ (wq.double() * layer.weight_scale.double())
+    def reference() -> torch.Tensor:
+        return (xq.double() * scale.double()) @ (wq.double() * layer.weight_scale.double())
+
     return PeerCall("cuBLASLt _scaled_mm (row-wise scales)", run, reference)
 
 
@@ -77,8 +80,9 @@ def _int_mm_peer(layer: Int8DynamicLinear, x: torch.Tensor) -> PeerCall:
     padded = torch.zeros(rows, x.shape[1], dtype=torch.int8, device=x.device)
     padded[: x.shape[0]] = xq
     wq = layer.qweight.t()
-    reference = torch.zeros(rows, wq.shape[1], dtype=torch.float64, device=x.device)
-    reference[: x.shape[0]] = xq.double() @ wq.double()
+    def reference() -> torch.Tensor:
+        return padded.double() @ wq.double()  # the padding rows are zeros, as _int_mm gives them
+
     return PeerCall(f"cuBLAS _int_mm ({rows} rows)", lambda: torch._int_mm(padded, wq), reference)
 
 
@@ -86,7 +90,9 @@ def _int8pack_mm_peer(layer: Int8WeightOnlyLinear, x: torch.Tensor) -> PeerCall:
     def run() -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.weight_scale)
 
-    reference = (x.double() @ layer.qweight.double().t()) * layer.weight_scale.double()
+    def reference() -> torch.Tensor:
+        return (x.double() @ layer.qweight.double().t()) * layer.weight_scale.double()
+
     return PeerCall("aten _weight_int8pack_mm", run, reference)
 
 
@@ -119,9 +125,11 @@ def _tinygemm_peer(layer: Int4WeightOnlyLinear, x: torch.Tensor) -> PeerCall | N
     def run() -> torch.Tensor:
         return mm(x, packed, group, scales_and_zeros)
 
-    # The layer's own weight: tinygemm's bf16 zeros ((8 - z) * scale, rounded) count as its error.
-    w = dequantize_int4(layer.packed, layer.group_params, torch.float64)
-    return PeerCall("tinygemm _weight_int4pack_mm", run, x.double() @ w.t())
+    def reference() -> torch.Tensor:
+        # The layer's own weight: tinygemm's bf16 zeros ((8 - z) * scale, rounded) count as its error.
+        return x.double() @ dequantize_int4(layer.packed, layer.group_params, torch.float64).t()
+
+    return PeerCall("tinygemm _weight_int4pack_mm", run, reference)
 
 
 _PEERS: dict[str, Callable[[torch.nn.Module, torch.Tensor], PeerCall | None]] = {
