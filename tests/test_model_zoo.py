@@ -35,6 +35,7 @@ ERROR_FACTOR = 1.5
 FLOOR = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 5e-3}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LAYERS, HEADS, KV_HEADS = 2, 4, 2
+EXPERTS = 4  # in the mixture-of-experts families, each token routed to all of them
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,23 @@ FAMILIES = {f.name: f for f in (
     Family("olmo2", "Olmo2Config", _llama_like, 6),
     # Parallel attention/MLP with LayerNorm, scaled logits.
     Family("cohere", "CohereConfig", lambda s: _llama_like(s, logit_scale=0.25), 6),
+    # Mixture of experts: the router is a GEMM site; the experts' [E, N, K] weights run as one grouped GEMM
+    # per projection (aten._grouped_mm under torch.compile), which stays with Inductor. q, k, v, o, router.
+    # Every token goes to all EXPERTS: with fewer, a near tie between two experts' scores (5e-4 apart in
+    # deepseek_v3's, under one bf16 rounding of the hidden state) flips on any change of rounding, and the
+    # logits then jump by far more than rounding, whoever computes them.
+    Family("mixtral", "MixtralConfig", lambda s: _llama_like(
+        s, num_local_experts=EXPERTS, num_experts_per_tok=EXPERTS), 5),
+    # Experts as in Mixtral, q/k norms as in Qwen3.
+    Family("qwen3_moe", "Qwen3MoeConfig", lambda s: _with_head_dim(
+        s, num_experts=EXPERTS, num_experts_per_tok=EXPERTS, moe_intermediate_size=s.intermediate // 4), 5),
+    # Multi-head latent attention (q and kv through low-rank projections, each with its RMSNorm) and, after one
+    # dense layer, routed and shared experts: q_a, q_b, kv_a, kv_b, o, and the router or the dense MLP.
+    Family("deepseek_v3", "DeepseekV3Config", lambda s: {
+        **_llama_like(s, num_key_value_heads=HEADS), "n_routed_experts": EXPERTS, "num_experts_per_tok": EXPERTS,
+        "moe_intermediate_size": s.intermediate // 4, "n_shared_experts": 1, "first_k_dense_replace": 1,
+        "q_lora_rank": s.hidden // 2, "kv_lora_rank": s.hidden // 4, "qk_rope_head_dim": s.head_dim // 2,
+        "qk_nope_head_dim": s.head_dim // 2, "v_head_dim": s.head_dim, "n_group": 1, "topk_group": 1}, 6),
 )}
 
 

@@ -54,10 +54,20 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 
 _TRANSPOSES = {aten.permute.default, aten.t.default}
-# GEMMs that exist in graphs but that no rule can anchor on yet: reported, never rewritten. (_scaled_mm_v2,
-# torch.nn.functional.scaled_mm's op, takes its scaling recipes as arguments; newer torch versions have it.)
-_OTHER_GEMMS = {aten.bmm.default, aten.baddbmm.default,
-                *(op.default for op in [getattr(aten, "_scaled_mm_v2", None)] if op is not None)}
+# GEMMs that exist in graphs but that no rule can anchor on yet: reported with why, never rewritten. Ops that
+# only newer torch versions have are looked up by name.
+_NO_ANCHOR = "{op} has no rule anchor in this version"
+_GROUPED = ("{op}: a grouped GEMM (one [groups, K, N] weight, rows split by offsets; mixture-of-experts layers "
+            "run their experts so under torch.compile), and no kernel family multiplies groups")
+_OTHER_GEMMS = {
+    "bmm": _NO_ANCHOR,
+    "baddbmm": _NO_ANCHOR,
+    "_scaled_mm_v2": _NO_ANCHOR,  # torch.nn.functional.scaled_mm: scaling recipes as arguments
+    "_grouped_mm": _GROUPED,
+    "_scaled_grouped_mm": _GROUPED,
+}
+_OTHER_GEMM_REASONS = {getattr(aten, name).default: reason.format(op=f"aten.{name}.default")
+                       for name, reason in _OTHER_GEMMS.items() if hasattr(aten, name)}
 # GEMMs on a weight packed for one library kernel (torchao's int4 weight-only layers call them): reported with
 # why they stay as they are, never rewritten.
 _PACKED_WEIGHT_GEMMS = {
@@ -93,8 +103,8 @@ def run(ctx: PassContext) -> None:
                 ctx.sites.append(site_or_reason)
             else:
                 ctx.unanchored.append((node, site_or_reason))
-        elif node.target in _OTHER_GEMMS:
-            ctx.unanchored.append((node, f"{node.target} has no rule anchor in this version"))
+        elif node.target in _OTHER_GEMM_REASONS:
+            ctx.unanchored.append((node, _OTHER_GEMM_REASONS[node.target]))
         elif node.target in _PACKED_WEIGHT_OPS:
             ctx.unanchored.append((node, _PACKED_WEIGHT_OPS[node.target]))
 
