@@ -111,7 +111,8 @@ def test_bmm_is_reported_unfused(op_calls):
 def test_grouped_mm_is_reported_unfused_with_its_reason(op_calls):
     """Mixture-of-experts layers run their experts as one grouped GEMM: the report lists it and says why."""
     x, w = randn(M, K, dtype=torch.bfloat16), randn(2, K, N, dtype=torch.bfloat16)  # the op takes bf16 only
-    offsets = torch.tensor([M // 4, M], dtype=torch.int32)  # rows [0, M/4) to group 0, the rest to group 1
+    split = M // 4
+    offsets = torch.tensor([split, M], dtype=torch.int32)  # rows [0, split) to group 0, the rest to group 1
 
     def experts(x, w, offsets):
         return torch._grouped_mm(x, w, offs=offsets)
@@ -121,6 +122,5 @@ def test_grouped_mm_is_reported_unfused_with_its_reason(op_calls):
     (unfused,) = [u for r in reports for u in r.unfused_gemms]
     assert unfused.op == "aten._grouped_mm.default", unfused
     assert "grouped GEMM" in unfused.reason and "no kernel family multiplies groups" in unfused.reason, unfused
-    split = M // 4
     expected = torch.cat([x[:split].double() @ w[0].double(), x[split:].double() @ w[1].double()])
     assert rel_err(out, expected) < 1e-2  # one bf16 rounding of the output

@@ -83,6 +83,8 @@ _PACKED_WEIGHT_REASON = ("{what}: one opaque op whose weight only that kernel ca
                          "(helion_backend.quantize.Int4WeightOnlyLinear's form)")
 _PACKED_WEIGHT_OPS = {getattr(aten, name).default: _PACKED_WEIGHT_REASON.format(what=what)
                       for name, what in _PACKED_WEIGHT_GEMMS.items() if hasattr(aten, name)}
+# Every GEMM op that is reported unfused whatever the rules say, with its reason.
+_UNANCHORED_GEMMS = {**_OTHER_GEMM_REASONS, **_PACKED_WEIGHT_OPS}
 _OP_NAMES = {op: name for name, op in ANCHOR_OPS.items()}
 # What each anchor multiplies, by input dtype.
 _INPUT_DTYPES = {
@@ -103,10 +105,8 @@ def run(ctx: PassContext) -> None:
                 ctx.sites.append(site_or_reason)
             else:
                 ctx.unanchored.append((node, site_or_reason))
-        elif node.target in _OTHER_GEMM_REASONS:
-            ctx.unanchored.append((node, _OTHER_GEMM_REASONS[node.target]))
-        elif node.target in _PACKED_WEIGHT_OPS:
-            ctx.unanchored.append((node, _PACKED_WEIGHT_OPS[node.target]))
+        elif node.target in _UNANCHORED_GEMMS:
+            ctx.unanchored.append((node, _UNANCHORED_GEMMS[node.target]))
 
 
 def _describe(node: fx.Node) -> GemmSite | str:
