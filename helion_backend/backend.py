@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-from helion_backend import code_cache, environment
+from helion_backend import code_cache, cuda_graphs, environment
 from helion_backend import report as reports
 from helion_backend.compile.manager import HelionPassManager
 from helion_backend.manifest import ManifestSite
@@ -60,7 +60,7 @@ def helion_inductor(
         state = _saved_state(manager, gm, example_inputs, opts)
     if opts.verify and state is not None:
         verify.watch(_op_sites(state))
-    routed = _route_tokens(compiled, pristine, state, example_inputs, patches)
+    routed = _route_tokens(compiled, pristine, state, example_inputs, patches, opts)
     return _with_autotuning(routed, state, opts, example_inputs)
 
 
@@ -75,7 +75,7 @@ def _op_sites(state: dict[str, Any]) -> list[str]:
 
 
 def _route_tokens(compiled: Callable[..., Any], pristine: torch.fx.GraphModule | None, state: dict[str, Any] | None,
-                  example_inputs: Sequence[Any], patches: dict[str, Any]) -> Callable[..., Any]:
+                  example_inputs: Sequence[Any], patches: dict[str, Any], opts: BackendOptions) -> Callable[..., Any]:
     """``compiled``, or with a dynamic M a router between it and a plain variant compiled from ``pristine``."""
     dynamic_sites = state["dynamic_sites"] if state else []
     if pristine is None or not dynamic_sites:
@@ -87,7 +87,7 @@ def _route_tokens(compiled: Callable[..., Any], pristine: torch.fx.GraphModule |
         return compiled
     # Compiled now, inside Dynamo's tracing context, so the variant keeps the symbolic shapes.
     plain_patches = {k: v for k, v in patches.items() if k != "post_grad_custom_pre_pass"}
-    plain = compile_fx(pristine, example_inputs, config_patches=plain_patches)
+    plain = compile_fx(pristine, example_inputs, inner_compile=_inner_compile(opts), config_patches=plain_patches)
     return TokenRouter(small=compiled, large=plain, site_ms=site_ms, limits=[limit for _, limit in dynamic_sites])
 
 
@@ -166,15 +166,26 @@ class AutotuneBeforeFirstRun:
 
 def _compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], manager: HelionPassManager,
              patches: dict[str, Any]) -> Callable[..., Any]:
-    def inner_compile(gm: torch.fx.GraphModule, inputs: Sequence[Any], **kwargs: Any):
-        manager.graph_kind = (
-            "backward" if kwargs.get("is_backward") else
-            "inference" if kwargs.get("is_inference") else "forward"
-        )
-        return compile_fx_inner(gm, inputs, **kwargs)
-
-    return compile_fx(gm, example_inputs, inner_compile=inner_compile,
+    return compile_fx(gm, example_inputs, inner_compile=_inner_compile(manager.options, manager),
                       config_patches={**patches, "post_grad_custom_pre_pass": manager})
+
+
+def _inner_compile(opts: BackendOptions, manager: HelionPassManager | None = None) -> Callable[..., Any]:
+    """Inductor's ``compile_fx_inner`` with the custom ops not known to be capture-safe kept out of CUDA graphs
+    (:mod:`.cuda_graphs`); with ``manager``, which also learns the graph's kind and those ops, for its report."""
+    def inner_compile(gm: torch.fx.GraphModule, inputs: Sequence[Any], **kwargs: Any):
+        uncaptured = (cuda_graphs.ops_outside_cuda_graphs(gm.graph, opts.cudagraph_safe_ops)
+                      if torch._inductor.config.triton.cudagraphs else [])
+        if manager is not None:
+            manager.graph_kind = (
+                "backward" if kwargs.get("is_backward") else
+                "inference" if kwargs.get("is_inference") else "forward"
+            )
+            manager.outside_cuda_graphs = uncaptured
+        with torch._inductor.config.patch(cuda_graphs.partition_patches(uncaptured)):
+            return compile_fx_inner(gm, inputs, **kwargs)
+
+    return inner_compile
 
 
 def _inductor_config(mode: str | None, opts: BackendOptions, example_inputs: Sequence[Any]) -> dict[str, Any]:

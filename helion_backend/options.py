@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
@@ -90,6 +91,11 @@ class BackendOptions:
     """Rewrite CPU graphs too (they then run the reference implementation); for tests and inspection."""
     cudagraphs: bool | None = None
     """CUDA graphs through Inductor's cudagraph trees; None means on when the graph runs on CUDA, off elsewhere."""
+    cudagraph_safe_ops: tuple[str, ...] = ()
+    """Custom ops (``"namespace::name"``) or op namespaces (``"namespace"``) known to be safe to capture in a
+    CUDA graph: no host reads of their inputs, no allocation that outlives the call. Custom ops outside
+    PyTorch's namespaces and these run between the captured parts of a graph (:mod:`helion_backend.cuda_graphs`),
+    and the report lists them."""
     debug_dir: str | None = field(default_factory=lambda: os.environ.get(DEBUG_DIR_ENV) or None)
     """Write per-graph dumps and ``report.json`` here (also set by $HELION_INDUCTOR_DEBUG_DIR)."""
     cache_dir: str = field(default_factory=_default_cache_dir)
@@ -143,6 +149,8 @@ class BackendOptions:
                 options[name] = _folder(name, options[name])
         if "inductor_config" in options:
             options["inductor_config"] = _inductor_config(options["inductor_config"])
+        if "cudagraph_safe_ops" in options:
+            options["cudagraph_safe_ops"] = _op_names(options["cudagraph_safe_ops"])
         made = cls(**options)
         made._check_types()
         return made
@@ -224,6 +232,18 @@ def _rule_paths(value: Any) -> tuple[str, ...]:
         raise TypeError(f"helion_inductor: option 'rules' must be a path or a list of paths to rule files (TOML), "
                         f"got {value!r}")
     return tuple(str(Path(p)) for p in paths)
+
+
+def _op_names(value: Any) -> tuple[str, ...]:
+    """The option ``cudagraph_safe_ops``: one name or a list of names, each ``"namespace"`` or
+    ``"namespace::name"``."""
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not all(
+        isinstance(n, str) and re.fullmatch(r"\w+(::\w+)?", n) for n in names
+    ):
+        raise TypeError("helion_inductor: option 'cudagraph_safe_ops' must be a list of op namespaces "
+                        f"(\"mylib\") or custom ops (\"mylib::my_op\"), got {value!r}")
+    return tuple(names)
 
 
 def _folder(name: str, value: Any) -> str | None:

@@ -123,6 +123,8 @@ class GraphReport:
     sites: list[SiteReport] = field(default_factory=list)
     unfused_gemms: list[UnfusedGemm] = field(default_factory=list)
     attention: list[AttentionReport] = field(default_factory=list)
+    # Custom ops not known to be capture-safe, run between the graph's CUDA graphs (option cudagraph_safe_ops).
+    outside_cuda_graphs: list[str] = field(default_factory=list)
     # Keys of this graph's Helion sites autotuned before its first run (option autotune_missing), and how.
     autotuned: list[str] = field(default_factory=list)
     # With dumps on: the picture of the graph with its sites boxed, or how to get one (graph_drawing.py).
@@ -142,6 +144,7 @@ class GraphReport:
             sites=[SiteReport(**s) for s in data.get("sites", [])],
             unfused_gemms=[UnfusedGemm(**u) for u in data.get("unfused_gemms", [])],
             attention=[AttentionReport(**a) for a in data.get("attention", [])],
+            outside_cuda_graphs=list(data.get("outside_cuda_graphs", [])),
             autotuned=list(data.get("autotuned", [])),
             picture=data.get("picture"),
         )
@@ -186,6 +189,8 @@ class GraphReport:
             lines.append(a.summary())
             lines.extend(f"      fallback: {event}" for event in a.fallbacks)
             lines.extend(f"      verified: {event}" for event in a.verified)
+        lines.extend(f"  outside CUDA graphs: {op} (a custom op not known to be capture-safe; the option "
+                     "cudagraph_safe_ops vouches for it)" for op in self.outside_cuda_graphs)
         lines.extend(f"  autotuned at compile time: {key}" for key in self.autotuned)
         if self.picture:
             lines.append(f"  picture: {self.picture}")

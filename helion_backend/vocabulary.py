@@ -244,3 +244,10 @@ EVIDENCE = (EVIDENCE_EXACT, EVIDENCE_CALIBRATED, EVIDENCE_NEAREST, EVIDENCE_PRED
 COLLECTIVE_NAMESPACES = frozenset({
     "_c10d_functional", "_c10d_functional_autograd", "c10d_functional", "c10d", "_dtensor", "symm_mem",
 })
+# Op namespaces whose ops CUDA graphs capture: PyTorch's own and Inductor's (Inductor partitions around those of them that
+# sync, such as ``aten.nonzero``), this backend's, the collectives (NCCL kernels capture), and the quantization
+# decompositions (pure tensor math). Other custom ops run outside CUDA graphs unless the option
+# ``cudagraph_safe_ops`` vouches for them (:mod:`helion_backend.cuda_graphs`).
+CAPTURE_SAFE_NAMESPACES = frozenset({
+    "aten", "prims", "inductor", OP_NAMESPACE, "quantized_decomposed", *COLLECTIVE_NAMESPACES,
+})

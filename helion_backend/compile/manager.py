@@ -78,6 +78,8 @@ class HelionPassManager(CustomGraphPass):
             ).encode()
         ).hexdigest()
         self.graph_kind = "unknown"
+        # Custom ops of the graph being compiled that run between its CUDA graphs (:mod:`..cuda_graphs`).
+        self.outside_cuda_graphs: list[str] = []
         self.reports: list[GraphReport] = []  # of the compile under way
         self.helion_sites: list[list[ManifestSite]] = []  # of each report's graph: what autotune_missing tunes
         # (before, after) of each report's graph where it was dumped: a cache hit replays them.
@@ -89,7 +91,8 @@ class HelionPassManager(CustomGraphPass):
         return self._uuid
 
     def __call__(self, graph: fx.Graph) -> None:
-        report = GraphReport(graph=new_graph_name(), kind=self.graph_kind)
+        report = GraphReport(graph=new_graph_name(), kind=self.graph_kind,
+                             outside_cuda_graphs=list(self.outside_cuda_graphs))
         dump_dirs = self._dump_dirs(report)
         graph_text = bool(dump_dirs) or logs.wants_graph_text()
         before = _readable(graph) if graph_text else ""
