@@ -45,11 +45,24 @@ CALIBRATED = "calibrated"
 
 TunedEntry = Entry  # one measured key of a GPU's table (see :class:`helion_backend.policy.Entry`)
 
+# GPUs without a shipped table of their own that read another GPU's: the same architecture and SM count, so
+# the same tiles and splits fill them (the H100 SXM has the H200's 132 SMs and less bandwidth; measured in
+# benchmarks/NOTES.md). A user table under the GPU's own name still overrides it, key by key.
+SHIPPED_STAND_INS = {"nvidia_h100_80gb_hbm3": "nvidia_h200"}
+
 
 
 def gpu_key(device: torch.device) -> str:
     """``NVIDIA H200`` -> ``nvidia_h200``: the name of the GPU's table file."""
     return re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower()).strip("_")
+
+
+def shipped_table_name(gpu: str) -> str:
+    """The shipped table ``gpu`` reads: its own, else its stand-in's (:data:`SHIPPED_STAND_INS`), else its own
+    name (no file: an empty table)."""
+    if (TUNED_DIR / f"{gpu}.json").exists():
+        return gpu
+    return SHIPPED_STAND_INS.get(gpu, gpu)
 
 
 def tables_digest(user_dir: str | None = None) -> str:
@@ -98,10 +111,16 @@ def _entry(entry: dict[str, Any]) -> Entry:
 
 @functools.cache
 def _table(gpu: str, user_dir: str | None = None) -> dict[TableShape, list[TunedEntry]]:
-    """(kernel, dtype, K, N) -> entries sorted by M: the shipped table, overridden M by M by the user's."""
+    """(kernel, dtype, K, N) -> entries sorted by M: the shipped table (or its stand-in's), overridden M by M
+    by the user's."""
+    shipped = shipped_table_name(gpu)
+    if shipped != gpu:
+        log.info("helion_inductor: no shipped config table for %s; reading %s's (same architecture and SM count)",
+                 gpu, shipped)
+    paths = [TUNED_DIR / f"{shipped}.json", *([Path(user_dir) / f"{gpu}.json"] if user_dir else [])]
     merged: dict[TableShape, dict[int, TunedEntry]] = {}
-    for directory in (TUNED_DIR, *([Path(user_dir)] if user_dir else [])):
-        for key, entries in _read_table(directory / f"{gpu}.json").items():
+    for path in paths:
+        for key, entries in _read_table(path).items():
             merged.setdefault(key, {}).update((e.m, e) for e in entries)
     return {key: sorted(by_m.values(), key=lambda e: e.m) for key, by_m in merged.items()}
 

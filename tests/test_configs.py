@@ -145,6 +145,31 @@ def test_user_table_overrides_the_shipped_one_m_by_m(table_dir, tmp_path_factory
     assert configs.config_for(16, 4096, 12288, torch.bfloat16, CUDA)["block_sizes"][1] == 64
 
 
+def test_a_gpu_without_a_table_reads_its_stand_ins_and_its_own_user_table(table_dir, tmp_path_factory,
+                                                                          monkeypatch, caplog):
+    monkeypatch.setattr(tables, "SHIPPED_STAND_INS", {"test_gpu": "sibling_gpu"})
+    (table_dir / "sibling_gpu.json").write_text(json.dumps({"entries": [entry(1, 32), entry(16, 64)]}))
+    with caplog.at_level("INFO", logger="helion_backend.tables"):
+        picks = {m: configs.config_for(m, 4096, 12288, torch.bfloat16, CUDA)["block_sizes"][1] for m in (1, 16)}
+    assert picks == {1: 32, 16: 64}
+    assert "sibling_gpu" in caplog.text and "test_gpu" in caplog.text
+    # The user's table is kept under the GPU's own name and overrides the stand-in's M by M.
+    user_dir = tmp_path_factory.mktemp("user_configs")
+    (user_dir / "test_gpu.json").write_text(json.dumps({"entries": [entry(16, 128)]}))
+    picks = {m: configs.config_for(m, 4096, 12288, torch.bfloat16, CUDA, str(user_dir))["block_sizes"][1]
+             for m in (1, 16)}
+    assert picks == {1: 32, 16: 128}
+    # A shipped table of the GPU's own wins over its stand-in's.
+    (table_dir / "test_gpu.json").write_text(json.dumps({"entries": [entry(16, 256)]}))
+    configs.forget_tables()
+    assert configs.config_for(16, 4096, 12288, torch.bfloat16, CUDA)["block_sizes"][1] == 256
+
+
+def test_the_h100_sxm_reads_the_h200_table():
+    assert tables.shipped_table_name("nvidia_h100_80gb_hbm3") == "nvidia_h200"
+    assert tables.shipped_table_name("nvidia_h100_pcie") == "nvidia_h100_pcie"  # 114 SMs: no stand-in
+
+
 def test_malformed_user_table_warns_and_keeps_the_shipped_one(table_dir, tmp_path_factory, caplog):
     user_dir = tmp_path_factory.mktemp("user_configs")
     (table_dir / "test_gpu.json").write_text(json.dumps({"entries": [entry(16, 64)]}))

@@ -188,6 +188,9 @@ SWAPPED_CANDIDATES = (
     (16, 128, 256, 8, 3, 2, "pointer"),
     (32, 64, 256, 4, 4, 1, "pointer"),
     (32, 64, 512, 4, 3, 2, "pointer"),
+    (16, 64, 256, 4, 4, 4, "pointer"),
+    (16, 64, 512, 4, 3, 4, "pointer"),
+    (32, 64, 256, 4, 4, 4, "pointer"),
 )
 # Splits beyond this many CTAs only add partial sums to write and read back.
 MAX_SPLIT_CTAS = 4 * NUM_SMS
