@@ -133,6 +133,24 @@ def test_tinygemm_peer_on_cuda_computes_the_layers_weight(zero_points):
     assert ((out.double() - reference).norm() / reference.norm()).item() < 1e-2
 
 
+@pytest.mark.gpu
+def test_peer_graphs_replay_after_later_captures(tmp_path):
+    """The int4 peer's tinygemm operands (8 MB at 4096 x 4096) are prepared outside its graph; the
+    cublas_bf16 capture after it empties the allocator's cache, and the replays in turns then read them.
+    They died with an illegal address while only the peer's closure, dropped after capture, held them."""
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gemm.py"), "--quant", "int4_weight_only",
+                             "--suite", "qwen3_8b", "--shapes", "q_o", "--m", "1", "--epilogues", "bias",
+                             "--variants", "eager,peer,cublas_bf16", "--budget-min", "0", "--replays", "5",
+                             "--out-dir", str(tmp_path)],
+                            capture_output=True, text=True, cwd=str(ROOT), timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (path,) = tmp_path.glob("*_quant.json")
+    (row,) = json.loads(path.read_text())["rows"]
+    assert not row["errors"], row["errors"]
+    assert all(row["times_us"][v] > 0 for v in ("eager", "peer", "cublas_bf16")), row["times_us"]
+    assert row["rel_err"]["peer"] < 1e-2 and row["rel_err"]["cublas_bf16"] < 1e-2, row["rel_err"]
+
+
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory) -> dict:
     """``--smoke`` of the new formats, with one M above the decode range (the summaries' other half)."""

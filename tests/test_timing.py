@@ -57,3 +57,40 @@ def test_one_graph_is_timed_as_before(replay_log):
     durations["g"] = 3.0
     assert timing.median_replay_ms(FakeGraph("g", log), timing.TimingConfig(warmup_replays=1, replays=5)) == 3.0
     assert log == ["g"] * 6
+
+
+def test_a_captured_graph_keeps_alive_what_its_step_prepared(monkeypatch):
+    """The graph reads the tensors the step's closure prepared outside it; once the caller drops the step,
+    only the capture holds them, and the next capture's ``empty_cache`` would unmap them under the graph
+    (int4 peer rows of the quant benchmark died with an illegal address in the replay)."""
+    import contextlib
+    import gc
+    import weakref
+
+    class FakeStream:
+        def wait_stream(self, other: FakeStream) -> None:
+            pass
+
+    class FakeCUDAGraph:
+        def replay(self) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, stream=None: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeCUDAGraph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+
+    def prepared_step() -> tuple[timing.Step, weakref.ref]:
+        packed = torch.randn(64)
+        return (lambda i: packed * i), weakref.ref(packed)
+
+    step, packed_ref = prepared_step()
+    captured = timing.capture_calls(step, timing.TimingConfig(warmup_calls=1, calls_per_graph=2))
+    del step
+    gc.collect()
+    assert packed_ref() is not None
+    del captured
+    gc.collect()
+    assert packed_ref() is None

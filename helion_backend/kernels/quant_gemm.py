@@ -318,8 +318,7 @@ def swapped_int4_gemm_kernel(
 
 @helion.kernel(static_shapes=True, autotune_effort="none")
 def int4_gemv_kernel(
-    x_even: torch.Tensor,
-    x_odd: torch.Tensor,
+    x_pairs: torch.Tensor,
     packed_nk: torch.Tensor,
     scales_ng: torch.Tensor,
     zeros_ng: torch.Tensor,
@@ -332,12 +331,12 @@ def int4_gemv_kernel(
 ) -> None:
     """``out = epilogue(x @ dequant(packed_nk, scales_ng).T)`` without a tensor-core dot, for decode's one row:
     :func:`.gemm.gemv_kernel`'s form on the int4 weight. ``packed_nk`` is the layer's [N, K/2] bytes (loads
-    along contiguous K), ``scales_ng`` and ``zeros_ng`` its [N, K/G] scales and zero points; ``x_even`` and
-    ``x_odd`` are x's even and odd columns seen as [M, N, K/2], stride 0 along N, so each thread loads the x
-    values its bytes multiply.
+    along contiguous K), ``scales_ng`` and ``zeros_ng`` its [N, K/G] scales and zero points; ``x_pairs`` is x
+    seen as [M, N, K/2, 2], stride 0 along N, so each thread loads the x values its bytes multiply, both
+    columns of a byte side by side (wide loads; the even and odd columns apart took one load a value).
     Each byte is dequantized as the graph does (nibble, minus the zero point, times the scale, in x's
     dtype), then both its products are taken in fp32. Block sizes [M, N, K], K in bytes; no split-K."""
-    m, n, k_bytes = x_even.size()
+    m, n, k_bytes, _ = x_pairs.size()
     group_bytes = k_bytes // scales_ng.size(1)
     block_m, block_n, block_k = hl.register_block_size(m), hl.register_block_size(n), hl.register_block_size(k_bytes)
     for tile_m, tile_n in hl.tile([m, n], block_size=[block_m, block_n]):
@@ -351,8 +350,9 @@ def int4_gemv_kernel(
                 scale = scales_ng[tile_n, tile_k.index // group_bytes]
                 zero = zeros_ng[tile_n, tile_k.index // group_bytes]
             low, high = nibbles(pair, scale, zero)
-            products = (products + x_even[tile_m, tile_n, tile_k].to(torch.float32) * low.to(torch.float32)[None, :, :]
-                        + x_odd[tile_m, tile_n, tile_k].to(torch.float32) * high.to(torch.float32)[None, :, :])
+            x_even, x_odd = hl.split(x_pairs[tile_m, tile_n, tile_k, :])
+            products = (products + x_even.to(torch.float32) * low.to(torch.float32)[None, :, :]
+                        + x_odd.to(torch.float32) * high.to(torch.float32)[None, :, :])
         out[tile_m, tile_n] = epilogue(products.sum(-1), operands, scalars, tile_m, tile_n).to(out.dtype)
 
 
@@ -565,8 +565,8 @@ def int4_gemm_helion(
     # What the kernels specialize on besides the signature: the scales' and zero points' strides, the form.
     variant = (sig, Layout.of(scales_ng), Layout.of(zeros_ng), group_steps, nibbles.__name__)
     if gemv:
-        x_even, x_odd = (x[:, parity::2][:, None, :].expand(m, n, k // 2) for parity in (0, 1))
-        args = (x_even, x_odd, packed_kn.t(), scales_ng, zeros_ng, out, operands, scalars,
+        x_pairs = x.reshape(m, 1, k // 2, 2).expand(m, n, k // 2, 2)
+        args = (x_pairs, packed_kn.t(), scales_ng, zeros_ng, out, operands, scalars,
                 hl.constexpr(group_steps), nibbles, epilogue)
         compiled_kernel(int4_gemv_kernel, args, variant, gemv_kernel_config(config), 1)(*args)
         return out

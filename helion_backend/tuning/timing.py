@@ -39,14 +39,17 @@ class TimingConfig:
 
 @dataclasses.dataclass
 class CapturedCalls:
-    """A CUDA graph of ``calls_per_graph`` steps and what each captured step returned.
+    """A CUDA graph of ``calls_per_graph`` steps, what each captured step returned, and the step itself.
 
     The returned tensors live in the graph's memory pool: every replay overwrites them, which lets
-    a caller check the numbers of the very launches that were timed.
+    a caller check the numbers of the very launches that were timed. The graph also reads memory
+    allocated outside it (weights and inputs the step's closure prepared); holding ``step`` keeps that
+    memory alive as long as the graph, since the next capture's ``empty_cache`` would unmap it.
     """
 
     graph: torch.cuda.CUDAGraph
     outputs: list[object]
+    step: Step
 
 
 def capture_calls(step: Step, config: TimingConfig) -> CapturedCalls:
@@ -68,7 +71,7 @@ def capture_calls(step: Step, config: TimingConfig) -> CapturedCalls:
     with torch._dynamo.config.patch(error_on_recompile=True), torch.cuda.graph(graph, stream=side_stream):
         outputs = [step(i) for i in range(config.calls_per_graph)]
     torch.cuda.synchronize()
-    return CapturedCalls(graph, outputs)
+    return CapturedCalls(graph, outputs, step)
 
 
 def median_replay_ms(graph: torch.cuda.CUDAGraph, config: TimingConfig) -> float:
