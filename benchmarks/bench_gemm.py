@@ -184,8 +184,11 @@ SMOKE_SUITE = "tiny"  # no model's shape: the config sweep leaves it out
 EPILOGUES = ("none", "bias", "bias_gelu_tanh", "silu", "residual")
 BIAS_EPILOGUES = ("bias", "bias_gelu_tanh")
 ALL_M = (1, 2, 4, 8, 16, 24, 32, 64, 128, 512, 2048)
-VARIANTS = ("eager", "compile", "max_autotune", "helion_inductor", *PEER_VARIANTS)
+VARIANTS = ("eager", "compile", "max_autotune", "helion_inductor", "helion_inductor_frozen", *PEER_VARIANTS)
 HELION = "helion_inductor"
+# The backend with option frozen_weights (int4 sites may run tinygemm on a copy of the weight), beside the
+# default in one run.
+HELION_FROZEN = "helion_inductor_frozen"
 DECODE_MAX_M = 32  # summary split: decode (M <= 32), where the backend should win, and larger M
 
 DTYPE_TAGS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -447,9 +450,9 @@ def compile_variant(
         return torch.compile(module, dynamic=False)
     if variant == "max_autotune":
         return torch.compile(module, mode="max-autotune-no-cudagraphs", dynamic=False)
-    if variant == HELION:
+    if variant in (HELION, HELION_FROZEN):
         import_helion_backend()
-        options: dict[str, bool] = {"cudagraphs": False}
+        options: dict[str, bool] = {"cudagraphs": False, "frozen_weights": variant == HELION_FROZEN}
         if device.type != "cuda":
             options["rewrite_on_cpu"] = True  # the backend leaves CPU graphs alone unless asked
         return torch.compile(module, backend=HELION, options=options, dynamic=False)
@@ -518,7 +521,7 @@ def _measure_into(
         return _capture_peer(result, variant, workload, timing, device)
     torch._dynamo.reset()
     fns = [compile_variant(variant, module, device) for module in workload.modules]
-    if variant == HELION:
+    if variant in (HELION, HELION_FROZEN):
         import_helion_backend().clear_reports()
 
     def step(i: int) -> torch.Tensor:
@@ -528,7 +531,7 @@ def _measure_into(
     step(0)
     synchronize(device)
     result.compile_s = time.perf_counter() - start
-    if variant == HELION:
+    if variant in (HELION, HELION_FROZEN):
         result.sites = helion_sites()
     # All copies share the graph compiled for copy 0 (parameters are graph inputs): a recompile from
     # here on would mean they do not, and cost one compile per copy, so make it an error.
@@ -632,6 +635,7 @@ def run_case(
         "rel_err_layer": {v: r.rel_err_layer for v, r in results.items() if r.rel_err_layer is not None},
         "compile_s": {v: r.compile_s for v, r in results.items() if r.compile_s is not None},
         "helion_sites": results[HELION].sites if HELION in results else None,
+        **({"frozen_sites": results[HELION_FROZEN].sites} if HELION_FROZEN in results else {}),
         "kernels": {v: r.kernel for v, r in results.items() if r.kernel is not None},
         "floor_us": max(hbm_floor_us, flop_floor_us),
         "hbm_floor_us": hbm_floor_us,
@@ -658,12 +662,13 @@ LONG_FLOOR_US = 10.0
 
 def row_is_correct(row: dict, variant: str) -> bool:
     """True when the variant produced a time and its error is within the dtype's tolerance (NaN fails), and
-    for helion_inductor on a quantized row within :data:`LAYER_TOLERANCE` of the unfused quantized layer
-    where that was measured (the baselines' own roundings are Inductor's and cuBLAS's: recorded, not judged)."""
+    for helion_inductor (and its frozen-weights variant) on a quantized row within :data:`LAYER_TOLERANCE` of
+    the unfused quantized layer where that was measured (the baselines' own roundings are Inductor's and
+    cuBLAS's: recorded, not judged)."""
     err = row["rel_err"].get(variant)
     quant = row.get("quant")
     tolerance = QUANT_TOLERANCES[quant] if quant else TOLERANCES[TAG_DTYPES[row["dtype"]]]
-    layer_err = row.get("rel_err_layer", {}).get(variant) if variant == HELION else None
+    layer_err = row.get("rel_err_layer", {}).get(variant) if variant in (HELION, HELION_FROZEN) else None
     if layer_err is not None and not layer_err <= LAYER_TOLERANCE:
         return False
     return row["times_us"].get(variant) is not None and err is not None and err <= tolerance

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.common import QUANT_RECIPES
+from helion_backend.kernels.tinygemm import tinygemm_mm, tinygemm_operands, tinygemm_problem
 from helion_backend.layers.quantize import (
     INT_MM_MIN_M,
     Fp8DynamicLinear,
@@ -32,8 +33,6 @@ from helion_backend.semantics.reference import dequantize_int4
 
 PEER, CUBLAS_BF16 = "peer", "cublas_bf16"
 PEER_VARIANTS = (PEER, CUBLAS_BF16)
-# tinygemm's K tiling: K must be a multiple of 16 * TINYGEMM_INNER_K_TILES (torchao's default).
-TINYGEMM_INNER_K_TILES = 8
 
 
 @dataclasses.dataclass
@@ -96,34 +95,13 @@ def _int8pack_mm_peer(layer: Int8WeightOnlyLinear, x: torch.Tensor) -> PeerCall:
     return PeerCall("aten _weight_int8pack_mm", run, reference)
 
 
-def tinygemm_operands(layer: Int4WeightOnlyLinear) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layer's weight in tinygemm's form: its nibbles packed for ``_weight_int4pack_mm`` (CUDA) or
-    ``_weight_int4pack_mm_for_cpu``, and the [K/G, N, 2] scales and zeros in tinygemm's convention,
-    ``w = (q - 8) * scale + zero``: zero 0 for the fixed zero point 8, ``(8 - z) * scale`` for zero point z."""
-    q = torch.stack([layer.packed & 15, layer.packed >> 4], dim=-1).reshape(layer.out_features, layer.in_features)
-    if layer.zero_points:
-        scale, zero_point = layer.scales_and_zeros[:, :, 0], layer.scales_and_zeros[:, :, 1]
-        zero = (8 - zero_point.float()) * scale.float()
-    else:
-        scale, zero = layer.scales, torch.zeros_like(layer.scales, dtype=torch.float32)
-    scales_and_zeros = torch.stack([scale.float(), zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-    if layer.packed.is_cuda:  # tinygemm's CUDA packing reads the even column from the high nibble
-        high_first = (q[:, 0::2] << 4 | q[:, 1::2]).to(torch.uint8)
-        packed = torch.ops.aten._convert_weight_to_int4pack(high_first, TINYGEMM_INNER_K_TILES)
-    else:
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), TINYGEMM_INNER_K_TILES)
-    return packed, scales_and_zeros
-
-
 def _tinygemm_peer(layer: Int4WeightOnlyLinear, x: torch.Tensor) -> PeerCall | None:
-    if x.dtype != torch.bfloat16 or layer.in_features % (16 * TINYGEMM_INNER_K_TILES):
-        return None  # tinygemm multiplies bf16 rows, K in whole tiles
-    packed, scales_and_zeros = tinygemm_operands(layer)
-    mm = torch.ops.aten._weight_int4pack_mm if x.is_cuda else torch.ops.aten._weight_int4pack_mm_for_cpu
-    group = layer.group_size
+    if tinygemm_problem(x.dtype, layer.in_features, layer.out_features, layer.group_size) is not None:
+        return None
+    tiled, scales_and_zeros = tinygemm_operands(layer.packed, layer.group_params)
 
     def run() -> torch.Tensor:
-        return mm(x, packed, group, scales_and_zeros)
+        return tinygemm_mm(x, tiled, scales_and_zeros)
 
     def reference() -> torch.Tensor:
         # The layer's own weight: tinygemm's bf16 zeros ((8 - z) * scale, rounded) count as its error.

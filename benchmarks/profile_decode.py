@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import statistics
 import sys
 import time
@@ -110,6 +111,8 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--host", action="store_true",
                         help="also time the host side of a step and list its CUDA API calls and host events")
     parser.add_argument("--out", type=Path, help="also write the tables to this file")
+    parser.add_argument("--helion-options", type=json.loads, metavar="JSON",
+                        help='backend options of the helion_inductor variant, e.g. \'{"frozen_weights": true}\'')
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode.py needs a CUDA device")
@@ -123,7 +126,7 @@ def main(argv: Sequence[str]) -> None:
     lines = [f"{args.format} batch={args.batch}, {config.layers} layers, {args.steps} steps"]
     with torch.no_grad():
         for variant in args.variants.split(","):
-            step = model_step(compile_variant(variant, model, device), variant)
+            step = model_step(compile_variant(variant, model, device, args.helion_options), variant)
             run_step = functools.partial(step, inputs.tokens_a, inputs.pos_a)
             for _ in range(5):  # cudagraph trees warm up, record, then replay
                 run_step()

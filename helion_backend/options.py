@@ -85,6 +85,12 @@ class BackendOptions:
     epilogue; on: the kernel quantizes the float activation itself (as its config's ``prequantize`` says: in
     a launch of its own, or in every output tile). Off by default: that launch costs time that Inductor's
     fusion does not. Block fp8 and weight-only formats are not affected."""
+    frozen_weights: bool = False
+    """The model's weights never change in place after its first call, so a site may keep a weight in another
+    layout beside it, made once: int4 weight-only sites then run tinygemm (``aten._weight_int4pack_mm``) at the
+    Ms where the config table timed it faster than Helion's config, on a tiled copy of the weight. Off: every
+    site reads the weights as they are at each call (a copy made at the first call would go stale under an
+    in-place update, which CUDA-graph replays cannot see)."""
     merge_siblings: bool = True
     """Run GEMM sites that read the same activation (a decoder's q, k and v) in one Helion launch."""
     rewrite_on_cpu: bool = False

@@ -80,6 +80,7 @@ class Entry(NamedTuple):
     helion_wins: bool | None  # None: not timed against the fallback
     lead: float | None = None  # fallback time / Helion time; None where either was not recorded
     calibrated: bool = False  # written by option autotune_missing at a first run
+    tinygemm_lead: float | None = None  # int4: the config's time / tinygemm's; None where tinygemm was not timed
 
 
 Shapes = Mapping[tuple[int, int], Sequence[Entry]]  # (K, N) -> entries sorted by M, of one family and dtype

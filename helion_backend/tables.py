@@ -40,16 +40,20 @@ GEMV = "gemv"
 # ``swapped_int4_gemm_kernel``), which multiplies the weight by the rows (``w @ x.T``) so that the dot's
 # 64-row side is the weight's (kernels/quant_gemm.py).
 SWAP_AB = "swap_ab"
+# An int4 entry's field: tinygemm's time at the key (``aten._weight_int4pack_mm`` and the epilogue over its
+# product, kernels/tinygemm.py), which a site runs instead of the entry's config where it is the faster and
+# option frozen_weights lets the site keep tinygemm's form of the weight.
+TINYGEMM_US = "tinygemm_us"
 # A table entry's field: option autotune_missing measured the key before a compiled graph's first run.
 CALIBRATED = "calibrated"
 
 TunedEntry = Entry  # one measured key of a GPU's table (see :class:`helion_backend.policy.Entry`)
 
-# GPUs without a shipped table of their own that read another GPU's: the same architecture and SM count, so
-# the same tiles and splits fill them (the H100 SXM has the H200's 132 SMs and less bandwidth; measured in
-# benchmarks/NOTES.md). A user table under the GPU's own name still overrides it, key by key.
+# GPUs that read another GPU's shipped table under their own: the same architecture and SM count, so the same
+# tiles and splits fill them (the H100 SXM has the H200's 132 SMs and less bandwidth; measured in
+# benchmarks/NOTES.md). The GPU's own shipped table, where it has one, overrides the stand-in's key by key
+# (the keys measured on that GPU), and a user table under the GPU's own name overrides both.
 SHIPPED_STAND_INS = {"nvidia_h100_80gb_hbm3": "nvidia_h200"}
-
 
 
 def gpu_key(device: torch.device) -> str:
@@ -57,12 +61,12 @@ def gpu_key(device: torch.device) -> str:
     return re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower()).strip("_")
 
 
-def shipped_table_name(gpu: str) -> str:
-    """The shipped table ``gpu`` reads: its own, else its stand-in's (:data:`SHIPPED_STAND_INS`), else its own
-    name (no file: an empty table)."""
-    if (TUNED_DIR / f"{gpu}.json").exists():
-        return gpu
-    return SHIPPED_STAND_INS.get(gpu, gpu)
+def shipped_table_names(gpu: str) -> list[str]:
+    """The shipped tables ``gpu`` reads, the later overriding the earlier key by key: its stand-in's
+    (:data:`SHIPPED_STAND_INS`), then its own where one is shipped (no file at all: an empty table)."""
+    stand_in = SHIPPED_STAND_INS.get(gpu)
+    own = [gpu] if (TUNED_DIR / f"{gpu}.json").exists() or stand_in is None else []
+    return [*([stand_in] if stand_in else []), *own]
 
 
 def tables_digest(user_dir: str | None = None) -> str:
@@ -105,19 +109,21 @@ def _entry(entry: dict[str, Any]) -> Entry:
     config = entry["config"]
     if not isinstance(config, dict):
         raise TypeError(f"config of M={entry['m']} is {type(config).__name__}, not an object")
+    tinygemm_us = entry.get(TINYGEMM_US)
+    tinygemm_lead = float(us) / float(tinygemm_us) if us and tinygemm_us else None
     return Entry(int(entry["m"]), dict(config), None if wins is None else bool(wins), lead,
-                 bool(entry.get(CALIBRATED, False)))
+                 bool(entry.get(CALIBRATED, False)), tinygemm_lead)
 
 
 @functools.cache
 def _table(gpu: str, user_dir: str | None = None) -> dict[TableShape, list[TunedEntry]]:
-    """(kernel, dtype, K, N) -> entries sorted by M: the shipped table (or its stand-in's), overridden M by M
-    by the user's."""
-    shipped = shipped_table_name(gpu)
-    if shipped != gpu:
-        log.info("helion_inductor: no shipped config table for %s; reading %s's (same architecture and SM count)",
-                 gpu, shipped)
-    paths = [TUNED_DIR / f"{shipped}.json", *([Path(user_dir) / f"{gpu}.json"] if user_dir else [])]
+    """(kernel, dtype, K, N) -> entries sorted by M: the shipped tables (:func:`shipped_table_names`), overridden
+    M by M by the user's."""
+    shipped = shipped_table_names(gpu)
+    if shipped[:1] != [gpu]:
+        log.info("helion_inductor: config tables for %s: %s (a stand-in: same architecture and SM count)",
+                 gpu, " under ".join(reversed(shipped)))
+    paths = [*(TUNED_DIR / f"{name}.json" for name in shipped), *([Path(user_dir) / f"{gpu}.json"] if user_dir else [])]
     merged: dict[TableShape, dict[int, TunedEntry]] = {}
     for path in paths:
         for key, entries in _read_table(path).items():
@@ -131,9 +137,20 @@ def has_entry(kernel: str, dtype: str, k: int, n: int, m: int, device: torch.dev
     return any(entry.m == m for entry in _table(gpu_key(device), user_dir).get((kernel, dtype, k, n), []))
 
 
+@functools.cache  # on every int4 launch of a site with frozen weights
+def tinygemm_measured_faster(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device,
+                             user_dir: str | None, kernel: str) -> bool:
+    """Whether the entry whose config ``m`` rows run at (K, N) (the smallest tuned M >= m, as the config lookup
+    picks) timed tinygemm faster than that config; False without such an entry, off CUDA."""
+    for entry in entries(k, n, dtype, device, user_dir, kernel):
+        if entry.m >= m:
+            return entry.tinygemm_lead is not None and entry.tinygemm_lead > 1
+    return False
+
+
 def forget_tables() -> None:
     """Drop the memoized tables and decisions, so that entries written in this process take effect at once."""
-    for memo in (_table, _shapes, decision):
+    for memo in (_table, _shapes, decision, tinygemm_measured_faster):
         memo.cache_clear()
 
 

@@ -93,25 +93,6 @@ def test_peers_alone_are_measured_beside_each_row(fmt, kernel):
     assert cells["vs cublas_bf16"] == f"{row['times_us']['cublas_bf16'] / row['times_us']['eager']:.2f}x"
 
 
-@pytest.mark.parametrize("zero_points", [False, True])
-def test_tinygemm_operands_compute_the_layers_weight(zero_points):
-    """The int4 layer's weight converted to tinygemm's form (scales and zeros [K/G, N, 2], ``w = (q - 8) *
-    scale + zero``) multiplies as the layer does, with the fixed zero point or one per group."""
-    import torch.nn as nn
-
-    from benchmarks.peers import tinygemm_operands
-    from helion_backend.layers.quantize import Int4WeightOnlyLinear
-
-    torch.manual_seed(3)
-    layer = Int4WeightOnlyLinear.from_linear(nn.Linear(256, 64, bias=False).to(torch.bfloat16), zero_points=zero_points)
-    packed, scales_and_zeros = tinygemm_operands(layer)
-    assert scales_and_zeros.shape == (2, 64, 2) and scales_and_zeros.dtype == torch.bfloat16
-    x = torch.randn(5, 256, dtype=torch.bfloat16)
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, layer.group_size, scales_and_zeros)
-    expected = layer(x)
-    assert ((out.double() - expected.double()).norm() / expected.double().norm()).item() < 1e-2
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (tinygemm's CUDA packing)")
 @pytest.mark.parametrize("zero_points", [False, True])

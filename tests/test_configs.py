@@ -159,15 +159,19 @@ def test_a_gpu_without_a_table_reads_its_stand_ins_and_its_own_user_table(table_
     picks = {m: configs.config_for(m, 4096, 12288, torch.bfloat16, CUDA, str(user_dir))["block_sizes"][1]
              for m in (1, 16)}
     assert picks == {1: 32, 16: 128}
-    # A shipped table of the GPU's own wins over its stand-in's.
+    # A shipped table of the GPU's own overrides its stand-in's M by M: the keys it measured, and only those.
     (table_dir / "test_gpu.json").write_text(json.dumps({"entries": [entry(16, 256)]}))
     configs.forget_tables()
-    assert configs.config_for(16, 4096, 12288, torch.bfloat16, CUDA)["block_sizes"][1] == 256
+    picks = {m: configs.config_for(m, 4096, 12288, torch.bfloat16, CUDA)["block_sizes"][1] for m in (1, 16)}
+    assert picks == {1: 32, 16: 256}
+    # The user's table still overrides both.
+    assert configs.config_for(16, 4096, 12288, torch.bfloat16, CUDA, str(user_dir))["block_sizes"][1] == 128
 
 
-def test_the_h100_sxm_reads_the_h200_table():
-    assert tables.shipped_table_name("nvidia_h100_80gb_hbm3") == "nvidia_h200"
-    assert tables.shipped_table_name("nvidia_h100_pcie") == "nvidia_h100_pcie"  # 114 SMs: no stand-in
+def test_the_h100_sxm_reads_its_table_over_the_h200_one():
+    assert tables.shipped_table_names("nvidia_h100_80gb_hbm3")[0] == "nvidia_h200"
+    assert tables.shipped_table_names("nvidia_h200") == ["nvidia_h200"]
+    assert tables.shipped_table_names("nvidia_h100_pcie") == ["nvidia_h100_pcie"]  # 114 SMs: no stand-in
 
 
 def test_malformed_user_table_warns_and_keeps_the_shipped_one(table_dir, tmp_path_factory, caplog):

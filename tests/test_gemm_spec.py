@@ -13,7 +13,7 @@ from helion_backend.semantics.norm import RmsNormSpec
 
 SINGLE = GemmSpec("gemm_glu", torch.bfloat16, ("nk",), (("bias", "scale", "silu", "up_mul"),), scalars=(0.5, 2.0),
                   prologue=("rmsnorm",), up_layout="kn", up_epilogue=("scale",), norm=RmsNormSpec(1e-6, True),
-                  max_helion_m=32, config_dir="/tmp/tables", site="graph_0:addmm_1")
+                  max_helion_m=32, config_dir="/tmp/tables", site="graph_0:addmm_1", frozen_weights=True)
 SHARED = GemmSpec("gemm_multi", torch.float16, ("nk", "nk", "kn"), (("bias",), (), ("residual",)), max_helion_m=8,
                   site="graph_1:mm")
 
@@ -47,6 +47,7 @@ def test_a_quantized_site_carries_its_program():
     (SHARED.to_key().replace('"float16"', '"float17"'), "'out_dtype' must name a torch dtype, got 'float17'"),
     (SHARED.to_key().replace('"kn"', '"nn"'), "weight layout must be one of"),
     (SHARED.to_key().replace('"max_helion_m":8', '"max_helion_m":"8"'), "'max_helion_m' has the wrong type"),
+    (SHARED.to_key().replace('"frozen_weights":false', '"frozen_weights":0'), "'frozen_weights' must be true or false"),
     (SINGLE.to_key().replace('"norm":{"eps":1e-06,"round_before_weight":true}', '"norm":null'),
      "the rmsnorm prologue step and the norm spec go together"),
 ])

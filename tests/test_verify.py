@@ -58,7 +58,7 @@ class FakeKernels:
         monkeypatch.setattr(dispatch, "_helion_multi_gemm", self.multi_gemm)
 
     def gemm(self, kernel, x, w_kn, steps, operands, scalars, out_dtype, config_dir=None, program=None, up_kn=None,
-             *, weight_scale=None, norm=None, up_steps=()):
+             *, weight_scale=None, norm=None, up_steps=(), frozen_weights=False):
         out = dispatch.unfused(x.double(), w_kn.double(), steps, [op.double() for op in operands], scalars,
                                torch.float64, program, up_kn, weight_scale, norm, up_steps)
         return self._result(out, out_dtype)

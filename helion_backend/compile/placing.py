@@ -14,7 +14,7 @@ from helion_backend.compile.recognize.patterns import gathered_input, reduce_sca
 from helion_backend.options import DEFAULT_NUM_TOKENS, UNTUNED_HELION, BackendOptions
 from helion_backend.policy import NO_EVIDENCE, Decision
 from helion_backend.semantics.norm import FUSED_DTYPES
-from helion_backend.vocabulary import EVIDENCE_NONE, dtype_name
+from helion_backend.vocabulary import EVIDENCE_NONE, INT4_FAMILY, dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +93,24 @@ def place(site: GemmSite, ctx: PassContext, kernel: str, n: int) -> Placement:
     problem = environment.helion_unavailable_reason()
     if problem:
         return Placement("reference", problem, options.max_helion_size)
-    if site.static_m is not None:
-        return _place_static_m(site.static_m, site, ctx, kernel, n)
-    return _place_dynamic_m(site, ctx, kernel, n)
+    placed = (_place_static_m(site.static_m, site, ctx, kernel, n) if site.static_m is not None
+              else _place_dynamic_m(site, ctx, kernel, n))
+    return placed._replace(why=f"{placed.why}{_tinygemm_note(site, ctx, kernel, n, placed)}")
+
+
+def _tinygemm_note(site: GemmSite, ctx: PassContext, kernel: str, n: int, placed: Placement) -> str:
+    """Where an int4 site with frozen weights runs tinygemm instead of its Helion config: the checked Ms on
+    Helion whose table entry timed tinygemm faster (``tables.tinygemm_measured_faster``)."""
+    if kernel != INT4_FAMILY or not ctx.options.frozen_weights or placed.runs_on != "helion":
+        return ""
+    checked = ([site.static_m] if site.static_m is not None
+               else [m for m in DEFAULT_NUM_TOKENS if m <= placed.max_helion_m])
+    at = [m for m in checked if tables.tinygemm_measured_faster(m, site.k, n, site.dtype, site.device,
+                                                                 ctx.options.config_dir or None, kernel)]
+    if not at:
+        return ""
+    return (f"; frozen weights: tinygemm (aten._weight_int4pack_mm, on a tiled copy of the weight) and one Helion "
+            f"epilogue pass at M={', '.join(map(str, at))}, where the config table timed it faster")
 
 
 def _decide(m: int, site: GemmSite, ctx: PassContext, kernel: str, n: int) -> Decision:

@@ -9,9 +9,11 @@ from helion_backend.report import site_id
 from helion_backend.semantics.gemm_spec import GemmSpec
 
 
-def spec_of(site: GemmSite, graph: str, config_dir: str = "", group: SiteGroup | None = None) -> GemmSpec:
+def spec_of(site: GemmSite, graph: str, config_dir: str = "", group: SiteGroup | None = None,
+            frozen_weights: bool = False) -> GemmSpec:
     """The launch that runs ``site`` (with a rule): its own, or the shared launch of its group (``group``,
-    by default the one it was placed in), named after the first site of the group in graph ``graph``."""
+    by default the one it was placed in), named after the first site of the group in graph ``graph``;
+    ``frozen_weights`` is the option's."""
     assert site.rule is not None, site
     group = group or site.group
     sites = group.sites if group is not None else [site]
@@ -35,4 +37,5 @@ def spec_of(site: GemmSite, graph: str, config_dir: str = "", group: SiteGroup |
         max_helion_m=leader.max_helion_m,
         config_dir=config_dir,
         site=site_id(graph, leader.anchor.name),
+        frozen_weights=frozen_weights,
     )

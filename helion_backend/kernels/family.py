@@ -63,7 +63,8 @@ class KernelCall:
     ``w_kn`` as a [K, N] view (a shared launch: one per output, with ``steps`` one epilogue per output),
     the epilogue and its ``operands`` and ``scalars``, the output dtype, a fused activation quantization
     (``program``), a gated MLP's up projection (``up_kn``, rescaled by its own ``up_steps``), the scales of
-    a dequantized weight (``weight_scale``) and a fused RMSNorm's weight and spec (``norm``)."""
+    a dequantized weight (``weight_scale``), a fused RMSNorm's weight and spec (``norm``) and whether the
+    weights are frozen (``frozen_weights``: the int4 family may then run tinygemm)."""
 
     x: torch.Tensor
     w_kn: Any  # torch.Tensor, or a shared launch's list of them
@@ -76,6 +77,7 @@ class KernelCall:
     weight_scale: torch.Tensor | None = None
     norm: Any = None  # (norm weight, RmsNormSpec)
     up_steps: tuple[str, ...] = ()
+    frozen_weights: bool = False  # option frozen_weights: the weight may be kept in another form
 
 
 Launcher = Callable[["KernelFamily", Callable[..., Any], KernelCall, Any, "str | None"], Any]
@@ -105,7 +107,7 @@ def _launch_quantized(family: KernelFamily, kernel: Callable[..., Any], call: Ke
 def _launch_int4(family: KernelFamily, kernel: Callable[..., Any], call: KernelCall, config: Any,
                  config_dir: str | None) -> torch.Tensor:
     return kernel(call.x, call.w_kn, call.weight_scale, call.steps, call.operands, call.scalars, call.out_dtype,
-                  config=config, config_dir=config_dir)
+                  config=config, config_dir=config_dir, frozen_weights=call.frozen_weights)
 
 
 def _launch_block_fp8(family: KernelFamily, kernel: Callable[..., Any], call: KernelCall, config: Any,
@@ -314,8 +316,10 @@ def run_kernel(
     norm: Any = None,
     config: Any = None,
     up_steps: tuple[str, ...] = (),
+    frozen_weights: bool = False,
 ) -> torch.Tensor:
     """Run the ``kernel`` family's Helion implementation on these arguments (see :class:`KernelCall`) with
     ``config``, by default the config tables' pick for the shape (user-tuned ones in ``config_dir`` first)."""
-    call = KernelCall(x, w_kn, steps, operands, scalars, out_dtype, program, up_kn, weight_scale, norm, up_steps)
+    call = KernelCall(x, w_kn, steps, operands, scalars, out_dtype, program, up_kn, weight_scale, norm, up_steps,
+                      frozen_weights)
     return family(kernel).launch(call, config, config_dir)

@@ -240,10 +240,11 @@ def epilogue_kernel(
     scalars: list[float],
     epilogue: TileEpilogue,
 ) -> None:
-    """``out = epilogue(partial_sums.sum(0))`` for the fp32 [splits, M, N] sums that split-K left."""
+    """``out = epilogue(partial_sums.sum(0))`` for the fp32 [splits, M, N] sums that split-K left (or one
+    product of another GEMM, [1, M, N] in any float dtype, summed in fp32)."""
     m, n = out.size()
     for tile_m, tile_n in hl.tile([m, n]):
-        acc = partial_sums[:, tile_m, tile_n].sum(0)
+        acc = partial_sums[:, tile_m, tile_n].to(torch.float32).sum(0)
         out[tile_m, tile_n] = epilogue(acc, operands, scalars, tile_m, tile_n).to(out.dtype)
 
 

@@ -39,6 +39,9 @@ fill the dot's 64-row side. On CUDA, for bf16 and fp16 activations, all three de
 (inline PTX, :mod:`.int4_nibbles`), with the graph's values bit for bit; where the K block lies in one
 group of scales they read one row of scales a step instead of gathering each byte's.
 
+``tinygemm_gemm`` runs PyTorch's int4 GEMM instead (:mod:`.tinygemm`) and the epilogue over its product in the
+split-K finishing kernel: a site whose weights are frozen runs it where the config table timed it faster.
+
 ``block_fp8_gemm_kernel`` quantizes each 1 x B group of the activation in its K loop, one group a step.
 With ``prequantize`` block fp8 runs two kernels instead: ``dequantize_groups_kernel`` quantizes every group
 once and multiplies it back by its scale, and ``lowp_gemm_kernel`` multiplies those rows by the fp8 weight
@@ -51,6 +54,7 @@ per-token scale, which distributes over the sum) and :func:`.gemm.epilogue_kerne
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Sequence
 
 from .helion_import import helion  # isort: skip  (first: it defers scikit-learn)
@@ -58,7 +62,16 @@ import helion.language as hl
 import torch
 from helion.autotuner import PowerOfTwoFragment
 
-from helion_backend.kernels.configs import GEMV, PAIRED_LOADS, PREQUANTIZE, SWAP_AB, config_for, split_key
+from helion_backend import tables
+from helion_backend.kernels.configs import (
+    EPILOGUE_CONFIG,
+    GEMV,
+    PAIRED_LOADS,
+    PREQUANTIZE,
+    SWAP_AB,
+    config_for,
+    split_key,
+)
 from helion_backend.kernels.gemm import (
     Layout,
     Signature,
@@ -66,6 +79,7 @@ from helion_backend.kernels.gemm import (
     check_gemm_shapes,
     check_operands,
     compiled_kernel,
+    epilogue_kernel,
     finish_split_k,
     gemv_helion,
     gemv_kernel_config,
@@ -73,6 +87,7 @@ from helion_backend.kernels.gemm import (
     tile_epilogue,
 )
 from helion_backend.kernels.int4_nibbles import Nibbles, int4_dequantizer
+from helion_backend.kernels.tinygemm import prepared_operands, tinygemm_mm, tinygemm_problem
 from helion_backend.semantics import quant_program as program_module
 from helion_backend.semantics.quant_program import QuantProgram
 from helion_backend.vocabulary import (
@@ -85,6 +100,8 @@ from helion_backend.vocabulary import (
     SUPPORTED_DTYPES,
     TOKEN_SCALE,
 )
+
+log = logging.getLogger(__name__)
 
 # One program per row: a row is at most ~50 KB of activation, read twice (amax, then quantize).
 QUANTIZE_ROWS_CONFIG = helion.Config(block_sizes=[1, 1024, 1024], num_warps=4, num_stages=2)
@@ -540,11 +557,13 @@ def int4_gemm_helion(
     out_dtype: torch.dtype,
     config: helion.Config | None = None,
     config_dir: str | None = None,
+    frozen_weights: bool = False,
 ) -> torch.Tensor:
     """``epilogue(x @ w)`` for the int4 weight ``w`` [K, N] that ``packed_kn`` (the [K/2, N] view of the packed
     [N, K/2] bytes) and ``group_scales`` ([N, K/G] scales, or [N, K/G, 2] scales and zero points, in x's
     dtype) stand for, as a contiguous [M, N] ``out_dtype`` tensor. The config's K block counts bytes (two
-    columns of K)."""
+    columns of K). With ``frozen_weights`` (the weight never changes in place) and no ``config`` given,
+    :func:`tinygemm_gemm` runs where the config table timed it faster than the table's config."""
     steps, operands, scalars = tuple(steps), list(operands), [float(s) for s in scalars]
     _check_int4_inputs(x, packed_kn, group_scales)
     sig = Signature(
@@ -554,6 +573,10 @@ def int4_gemm_helion(
     check_family_steps(steps, INT4_FAMILY)
     (m, k), n = x.shape, packed_kn.shape[1]
     if config is None:
+        if frozen_weights and tables.tinygemm_measured_faster(m, k, n, x.dtype, x.device, config_dir, INT4_FAMILY):
+            out = tinygemm_gemm(x, packed_kn, group_scales, steps, operands, scalars, out_dtype)
+            if out is not None:
+                return out
         config = config_for(m, k, n, x.dtype, x.device, config_dir, INT4_FAMILY)
     paired, config = split_key(config, PAIRED_LOADS)
     gemv, config = split_key(config, GEMV)
@@ -583,6 +606,41 @@ def int4_gemm_helion(
         variant = (*variant, paired)
     compiled_kernel(kernel, args, variant, config, target.shape[0])(*args)
     return finish_split_k(target, out, split_k, sig, operands, scalars, epilogue)
+
+
+def tinygemm_gemm(
+    x: torch.Tensor,
+    packed_kn: torch.Tensor,
+    group_scales: torch.Tensor,
+    steps: tuple[str, ...],
+    operands: Sequence[torch.Tensor],
+    scalars: Sequence[float],
+    out_dtype: torch.dtype,
+) -> torch.Tensor | None:
+    """:func:`int4_gemm_helion`'s result through tinygemm (:mod:`.tinygemm`): its bf16 product, then the
+    epilogue in one pass of the split-K finishing kernel (none where there is nothing to do). The weight's
+    tinygemm form is made at the first call and kept beside it. None where tinygemm cannot take the operands
+    or the form cannot be made in this call (a CUDA-graph capture): the caller runs a Helion kernel."""
+    steps, operands, scalars = tuple(steps), list(operands), [float(s) for s in scalars]
+    _check_int4_inputs(x, packed_kn, group_scales)
+    k, n = x.shape[1], packed_kn.shape[1]
+    problem = tinygemm_problem(x.dtype, k, n, k // group_scales.shape[1])
+    if problem is not None:
+        log.debug("helion_inductor: a Helion kernel runs instead of tinygemm: %s", problem)
+        return None
+    prepared = prepared_operands(packed_kn.t(), group_scales)
+    if prepared is None:
+        return None
+    product = tinygemm_mm(x, *prepared)
+    if not steps and product.dtype == out_dtype:
+        return product
+    sig = Signature(Layout.of(product), Layout.of(packed_kn), tuple(map(Layout.of, operands)), len(scalars), steps,
+                    out_dtype)
+    check_operands(sig)
+    out = torch.empty(product.shape, dtype=out_dtype, device=product.device)
+    args = (product.unsqueeze(0), out, operands, scalars, tile_epilogue(steps))
+    compiled_kernel(epilogue_kernel, args, (sig, "tinygemm product"), EPILOGUE_CONFIG, 1)(*args)
+    return out
 
 
 def _steps_within_groups(config: helion.Config, group_bytes: int) -> bool:

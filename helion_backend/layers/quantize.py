@@ -29,6 +29,7 @@ from helion_backend.vocabulary import FP8_BLOCK
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 INT_MM_MIN_M = 17  # cuBLAS' int8 GEMM behind torch._int_mm needs more than 16 rows on CUDA
+INT4_GROUP_SIZE = 128  # int4 weight-only's default group of K columns per scale (torchao's, and GPTQ's)
 
 
 class _QuantizedLinear(nn.Module):
@@ -389,7 +390,7 @@ class Int4WeightOnlyLinear(_QuantizedLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
-                 group_size: int = 128, zero_points: bool = False) -> None:
+                 group_size: int = INT4_GROUP_SIZE, zero_points: bool = False) -> None:
         super().__init__(in_features, out_features, bias, dtype, device, group_size=group_size)
         self.group_size = group_size
         self.zero_points = zero_points
@@ -401,7 +402,7 @@ class Int4WeightOnlyLinear(_QuantizedLinear):
             self.register_buffer("scales", torch.empty(out_features, groups, dtype=dtype, device=device))
 
     @classmethod
-    def shape_problem(cls, in_features: int, out_features: int, *, group_size: int = 128,
+    def shape_problem(cls, in_features: int, out_features: int, *, group_size: int = INT4_GROUP_SIZE,
                       **options: Any) -> str | None:
         if group_size <= 0:
             return f"group_size must be positive, got {group_size}"
@@ -418,7 +419,7 @@ class Int4WeightOnlyLinear(_QuantizedLinear):
         return self.scales_and_zeros if self.zero_points else self.scales
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, group_size: int = 128,
+    def from_linear(cls, linear: nn.Linear, *, group_size: int = INT4_GROUP_SIZE,
                     zero_points: bool = False) -> Int4WeightOnlyLinear:
         w = linear.weight.detach()
         n, k = w.shape
@@ -480,7 +481,7 @@ def _quantizable(module: nn.Module) -> bool:
 
 
 def quantize(model: nn.Module, format: str, *, filter_fn: Callable[[nn.Module, str], bool] | None = None,
-             group_size: int = 128, zero_points: bool = False, skip_incompatible: bool = False) -> nn.Module:
+             group_size: int = INT4_GROUP_SIZE, zero_points: bool = False, skip_incompatible: bool = False) -> nn.Module:
     """Replace, in place, each ``nn.Linear`` of ``model`` for which ``filter_fn(linear, qualified_name)``
     holds (default: all) with ``QUANT_FORMATS[format].from_linear(linear)``; return ``model``.
 

@@ -58,7 +58,7 @@ def run_gemm_epilogue(
     if _runs_helion(x, spec.max_helion_m, site):
         fused = _try_helion(site, x.shape[0], lambda: _helion_gemm(
             spec.kernel, x, w_kn, steps, flat, scalars, spec.out_dtype, spec.config_dir or None, program, up_kn,
-            weight_scale=weight_scale, norm=norm, up_steps=up_steps))
+            weight_scale=weight_scale, norm=norm, up_steps=up_steps, frozen_weights=spec.frozen_weights))
         if fused is not None:
             if verify.watching():
                 dtypes = [x.dtype, w_kn.dtype, spec.out_dtype, *([up_kn.dtype] if up_kn is not None else [])]

@@ -52,7 +52,8 @@ class GemmSpec:
     up projection's layout (None: no up projection), ``up_epilogue`` its own steps before the product.
     ``norm`` is a fused RMSNorm's spec (the ``rmsnorm`` prologue step's). Rows up to ``max_helion_m`` run
     the ``kernel`` family's Helion kernel, with configs from ``config_dir`` (user-tuned; "" for none)
-    first; ``site`` names the site in the report (``graph:anchor``).
+    first; ``site`` names the site in the report (``graph:anchor``). ``frozen_weights`` is the option's: the
+    site may keep its weight in another layout (int4: tinygemm's).
     """
 
     kernel: str
@@ -68,6 +69,7 @@ class GemmSpec:
     max_helion_m: int = 0
     config_dir: str = ""
     site: str = ""
+    frozen_weights: bool = False  # option frozen_weights: the site may keep its weight in another form
 
     def __post_init__(self) -> None:
         problem = _problem(self)
@@ -155,6 +157,7 @@ def _to_json(spec: GemmSpec) -> dict[str, Any]:
         "max_helion_m": spec.max_helion_m,
         "config_dir": spec.config_dir,
         "site": spec.site,
+        "frozen_weights": spec.frozen_weights,
     }
 
 
@@ -185,11 +188,19 @@ def _from_key(key: str) -> GemmSpec:
             max_helion_m=_typed(data, "max_helion_m", int),
             config_dir=_typed(data, "config_dir", str),
             site=_typed(data, "site", str),
+            frozen_weights=_flag(data, "frozen_weights"),
         )
     except SpecError:
         raise
     except (KeyError, TypeError, ValueError) as e:
         raise SpecError(f"fused GEMM spec {key!r}: {e}") from None
+
+
+def _flag(data: dict[str, Any], name: str) -> bool:
+    value = data[name]
+    if not isinstance(value, bool):
+        raise ValueError(f"field {name!r} must be true or false: {value!r}")
+    return value
 
 
 def _typed(data: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:

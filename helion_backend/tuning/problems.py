@@ -50,7 +50,8 @@ from helion_backend.kernels.gemm import (
     record_launches,
 )
 from helion_backend.kernels.multi_gemm import multi_gemm_helion
-from helion_backend.kernels.quant_gemm import dequantize_groups_kernel, quantize_rows_kernel
+from helion_backend.kernels.quant_gemm import dequantize_groups_kernel, quantize_rows_kernel, tinygemm_gemm
+from helion_backend.kernels.tinygemm import tinygemm_problem
 from helion_backend.layers.quantize import QUANT_FORMATS
 from helion_backend.options import BackendOptions
 from helion_backend.policy import TableKey
@@ -59,12 +60,14 @@ from helion_backend.semantics.epilogue import apply_epilogue, num_scalars, opera
 from helion_backend.semantics.norm import RmsNormSpec, rms_norm
 from helion_backend.semantics.quant_program import QuantProgram, quantize_rows
 from helion_backend.semantics.reference import unfused, unfused_multi
-from helion_backend.tuning.timing import Step, copies_to_defeat_l2
+from helion_backend.tables import TINYGEMM_US
+from helion_backend.tuning.timing import Step, copies_to_defeat_l2, relative_error
 from helion_backend.vocabulary import (
     ACTIVATION_QUANT_STEPS,
     BIAS,
     CHANNEL_SCALE,
     DEFAULT_KERNEL_FAMILY,
+    INT4_FAMILY,
     KERNEL_FAMILIES,
     MEMBER_FAMILY,
     MULTI_GEMM_FAMILY,
@@ -455,7 +458,35 @@ def quantized_problem(key: TuneKey, device: torch.device) -> Problem:
         searched={**split, **wrapper_keys(key)},
         # A pre-quantized site never quantizes: its entry keeps today's prequantize for the sites that do.
         to_table=lambda config: helion.Config(**{**config, **keep_prequantize}),
+        extra_timings=_tinygemm_timing(key, calls, act_dtype),
     )
+
+
+def _tinygemm_timing(key: TuneKey, calls: list[Call], act_dtype: torch.dtype) -> dict[str, Step]:
+    """An int4 key's tinygemm run (:func:`~helion_backend.kernels.quant_gemm.tinygemm_gemm`: its product and the
+    epilogue over it), timed beside the configs for the sites whose weights are frozen; none where tinygemm
+    cannot take the key. Its first call is checked against the unfused layer, as every config is."""
+    if key.kernel != INT4_FAMILY:
+        return {}
+    groups = calls[0].weight_scale.shape[1]  # the layers' [N, K/G] scales
+    if tinygemm_problem(act_dtype, key.k, key.n, key.k // groups) is not None:
+        return {}
+    reference, checked = calls[0].unfused(), []
+
+    def step(i: int) -> torch.Tensor:
+        call = calls[i % len(calls)]
+        out = tinygemm_gemm(call.x, call.w_kn, call.weight_scale, call.steps, call.operands, call.scalars,
+                            call.out_dtype)
+        if out is None:
+            raise TuneError(f"{key}: tinygemm's form of the weight could not be made (inside a capture)")
+        if not checked:  # the first call, a warm-up one (the check reads the GPU: never inside a capture)
+            error = relative_error(out, reference)
+            if not error <= TOLERANCE:
+                raise TuneError(f"{key}: tinygemm is off by {error:.2e} (> {TOLERANCE:.0e})")
+            checked.append(error)
+        return out
+
+    return {TINYGEMM_US: step}
 
 
 def _quantized_call(family: str, layer: torch.nn.Module, rows: tuple[torch.Tensor, ...], program: QuantProgram | None,

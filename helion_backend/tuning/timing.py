@@ -55,14 +55,15 @@ class CapturedCalls:
 def capture_calls(step: Step, config: TimingConfig) -> CapturedCalls:
     """Warm ``step`` up on a side stream, then capture ``config.calls_per_graph`` calls into one graph.
 
-    The warm-up runs first so that compilation, autotuning, cuBLAS handle and workspace creation
-    happen outside the capture. A recompilation during capture would launch autotuning work into
-    the graph, so Dynamo is told to raise instead.
+    The warm-up runs first, at least once at every call the graph will hold, so that compilation,
+    autotuning, cuBLAS handle and workspace creation, and whatever a call prepares for its own operands (a
+    weight tiled for tinygemm), happen outside the capture. A recompilation during capture would launch
+    autotuning work into the graph, so Dynamo is told to raise instead.
     """
     side_stream = torch.cuda.Stream()
     side_stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side_stream):
-        for i in range(config.warmup_calls):
+        for i in range(max(config.warmup_calls, config.calls_per_graph)):
             step(i)
     torch.cuda.current_stream().wait_stream(side_stream)
     torch.cuda.synchronize()

@@ -37,7 +37,8 @@ class RewritePass(GraphPass):
                 continue  # rewritten with the first of its group
             sites = group.sites if group is not None else [site]
             try:
-                spec = spec_of(site, ctx.report.graph, ctx.options.config_dir)
+                spec = spec_of(site, ctx.report.graph, ctx.options.config_dir,
+                               frozen_weights=ctx.options.frozen_weights)
                 if group is not None:
                     _replace_group(ctx.graph, group, spec, replaced)
                 else:
