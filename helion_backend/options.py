@@ -88,7 +88,8 @@ class BackendOptions:
     frozen_weights: bool = False
     """The model's weights never change in place after its first call, so a site may keep a weight in another
     layout beside it, made once: int4 weight-only sites then run tinygemm (``aten._weight_int4pack_mm``) at the
-    Ms where the config table timed it faster than Helion's config, on a tiled copy of the weight. Off: every
+    Ms where the config table timed it faster than Helion's config (and than Inductor, at a key Inductor would
+    have run), on a tiled copy of the weight. Off: every
     site reads the weights as they are at each call (a copy made at the first call would go stale under an
     in-place update, which CUDA-graph replays cannot see)."""
     merge_siblings: bool = True

@@ -148,9 +148,19 @@ def tinygemm_measured_faster(m: int, k: int, n: int, dtype: torch.dtype, device:
     return False
 
 
+@functools.cache
+def tinygemm_lead_over_fallback(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device,
+                                user_dir: str | None, kernel: str) -> float | None:
+    """The fallback's time over tinygemm's at the key's own entry, where both were timed; else None."""
+    for entry in entries(k, n, dtype, device, user_dir, kernel):
+        if entry.m == m and entry.lead is not None and entry.tinygemm_lead is not None:
+            return entry.lead * entry.tinygemm_lead
+    return None
+
+
 def forget_tables() -> None:
     """Drop the memoized tables and decisions, so that entries written in this process take effect at once."""
-    for memo in (_table, _shapes, decision, tinygemm_measured_faster):
+    for memo in (_table, _shapes, decision, tinygemm_measured_faster, tinygemm_lead_over_fallback):
         memo.cache_clear()
 
 

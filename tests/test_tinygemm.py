@@ -152,6 +152,39 @@ def test_the_report_says_where_a_frozen_site_runs_tinygemm(int4_table, frozen):
         assert "at M=1, where the config table timed it faster" in placed.why
 
 
+def _inductor_faster_entry(m: int) -> dict:
+    """A kv-like key where torch.compile beat Helion's config and tinygemm beat both (the H100's K 4096,
+    N 1024 at M = 8: 17.8, 13.2 and 8.8 us)."""
+    return {**_int4_entry(m, 17.8, 8.8, n=1024), "fallback_us": 13.2, "helion_wins": False}
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_key_only_tinygemm_beat_inductor_at_goes_to_it_with_frozen_weights(tmp_path, monkeypatch, frozen):
+    from types import SimpleNamespace
+
+    from helion_backend.compile import placing
+    from helion_backend.options import BackendOptions
+
+    monkeypatch.setattr(tables, "TUNED_DIR", tmp_path)
+    monkeypatch.setattr(tables, "gpu_key", lambda device: "test_gpu")
+    monkeypatch.setattr(environment, "helion_unavailable_reason", lambda: None)
+    bf16_twin = {**_inductor_faster_entry(8), "kernel": "gemm", "prologue": []}  # a family tinygemm is not
+    (tmp_path / "test_gpu.json").write_text(json.dumps({"entries": [_inductor_faster_entry(8), bf16_twin]}))
+    configs.forget_tables()
+    try:
+        site = SimpleNamespace(k=4096, dtype=torch.bfloat16, device=CUDA, static_m=8)
+        ctx = SimpleNamespace(options=BackendOptions(cache_dir="/nonexistent", frozen_weights=frozen))
+        placed = placing.place(site, ctx, "gemm_int4", 1024)
+        # Another family's entry with the same times is not affected: only int4 sites run tinygemm.
+        other = placing.place(site, ctx, "gemm", 1024)
+    finally:
+        configs.forget_tables()
+    assert placed.runs_on == ("helion" if frozen else "inductor"), placed.why
+    if frozen:
+        assert "Helion 1.50x" in placed.why and "tinygemm" in placed.why and "at M=8" in placed.why
+    assert other.runs_on == "inductor"
+
+
 # --------------------------------------------------------------------------------------------------
 # On the GPU
 
@@ -221,6 +254,28 @@ def test_a_frozen_int4_site_runs_tinygemm_under_cuda_graphs(tmp_path, zero_point
         with torch.no_grad():
             out, expected = compiled(x), model(x)
         assert sqnr_db(expected, out) >= 40
+    (site,) = sites(helion_backend.get_reports())
+    assert site.runs_on == "helion" and "tinygemm" in site.why, site.why
+    assert len(tinygemm._PREPARED) == 1
+
+
+@pytest.mark.gpu
+def test_a_frozen_site_inductor_would_have_run_runs_tinygemm(tmp_path):
+    """A key where the table measured Inductor faster than Helion's config and tinygemm faster than both: with
+    frozen weights the site is rewritten and runs tinygemm (the form is made), matching the unfused layer."""
+    layer = _layer(4096, 1024, device="cuda", seed=7, bias=True)
+    model = nn.Sequential(layer, nn.GELU(approximate="tanh"))
+    (tmp_path / "configs").mkdir()
+    entry = {**_inductor_faster_entry(8), "epilogue": ["bias", "gelu_tanh"]}
+    (tmp_path / "configs" / f"{tables.gpu_key(CUDA)}.json").write_text(json.dumps({"entries": [entry]}))
+    configs.forget_tables()
+    helion_backend.clear_reports()
+    compiled = torch.compile(model, backend="helion_inductor",
+                             options={"frozen_weights": True, "cache_dir": str(tmp_path)})
+    for _ in range(3):
+        x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            assert sqnr_db(model(x), compiled(x)) >= 40
     (site,) = sites(helion_backend.get_reports())
     assert site.runs_on == "helion" and "tinygemm" in site.why, site.why
     assert len(tinygemm._PREPARED) == 1

@@ -3,6 +3,7 @@ to which M, and on what evidence from the config tables: what the placement and 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import NamedTuple
 
@@ -14,7 +15,13 @@ from helion_backend.compile.recognize.patterns import gathered_input, reduce_sca
 from helion_backend.options import DEFAULT_NUM_TOKENS, UNTUNED_HELION, BackendOptions
 from helion_backend.policy import NO_EVIDENCE, Decision
 from helion_backend.semantics.norm import FUSED_DTYPES
-from helion_backend.vocabulary import EVIDENCE_NONE, INT4_FAMILY, dtype_name
+from helion_backend.vocabulary import (
+    EVIDENCE_CALIBRATED,
+    EVIDENCE_EXACT,
+    EVIDENCE_NONE,
+    INT4_FAMILY,
+    dtype_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +107,8 @@ def place(site: GemmSite, ctx: PassContext, kernel: str, n: int) -> Placement:
 
 def _tinygemm_note(site: GemmSite, ctx: PassContext, kernel: str, n: int, placed: Placement) -> str:
     """Where an int4 site with frozen weights runs tinygemm instead of its Helion config: the checked Ms on
-    Helion whose table entry timed tinygemm faster (``tables.tinygemm_measured_faster``)."""
+    Helion whose table entry timed tinygemm faster (``tables.tinygemm_measured_faster``; the placement's
+    lead there is tinygemm's where only tinygemm beat Inductor)."""
     if kernel != INT4_FAMILY or not ctx.options.frozen_weights or placed.runs_on != "helion":
         return ""
     checked = ([site.static_m] if site.static_m is not None
@@ -115,7 +123,18 @@ def _tinygemm_note(site: GemmSite, ctx: PassContext, kernel: str, n: int, placed
 
 def _decide(m: int, site: GemmSite, ctx: PassContext, kernel: str, n: int) -> Decision:
     decided = tables.placement_decision(m, site.k, n, site.dtype, site.device, ctx.options.config_dir, kernel)
-    return NO_EVIDENCE if decided is None else decided
+    return NO_EVIDENCE if decided is None else _frozen_tinygemm(decided, m, site, ctx, kernel, n)
+
+
+def _frozen_tinygemm(decided: Decision, m: int, site: GemmSite, ctx: PassContext, kernel: str, n: int) -> Decision:
+    """``decided``, or for an int4 key with frozen weights whose own entry measured Inductor faster than Helion's
+    config but tinygemm faster than Inductor, the fused op (which then runs tinygemm) with tinygemm's lead."""
+    if (decided.helion or kernel != INT4_FAMILY or not ctx.options.frozen_weights
+            or decided.evidence not in (EVIDENCE_EXACT, EVIDENCE_CALIBRATED)):
+        return decided
+    lead = tables.tinygemm_lead_over_fallback(m, site.k, n, site.dtype, site.device, ctx.options.config_dir or None,
+                                              kernel)
+    return decided if lead is None or lead <= 1 else dataclasses.replace(decided, helion=True, lead=lead)
 
 
 def _untuned_on_helion(options: BackendOptions) -> str | None:
