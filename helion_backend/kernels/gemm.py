@@ -267,9 +267,15 @@ def finish_split_k(target: torch.Tensor, out: torch.Tensor, split_k: int, sig: S
                    operands: list[torch.Tensor], scalars: list[float], epilogue: TileEpilogue) -> torch.Tensor:
     """``out``; after a split GEMM, first the sum of ``target``'s partial sums through the epilogue."""
     if split_k > 1:
-        args = (target, out, operands, scalars, epilogue)
-        compiled_kernel(epilogue_kernel, args, sig, EPILOGUE_CONFIG, target.shape[0])(*args)
+        run_epilogue_pass(target, out, sig, operands, scalars, epilogue)
     return out
+
+
+def run_epilogue_pass(partial_sums: torch.Tensor, out: torch.Tensor, sig: Signature, operands: list[torch.Tensor],
+                      scalars: list[float], epilogue: TileEpilogue) -> None:
+    """:func:`epilogue_kernel` over ``partial_sums`` ([splits, M, N], any float dtype) into ``out``."""
+    args = (partial_sums, out, operands, scalars, epilogue)
+    compiled_kernel(epilogue_kernel, args, (sig, partial_sums.dtype), EPILOGUE_CONFIG, partial_sums.shape[0])(*args)
 
 
 def tile_epilogue(steps: tuple[str, ...], after: tuple[str, ...] = ()) -> TileEpilogue:

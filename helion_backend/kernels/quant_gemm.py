@@ -63,15 +63,7 @@ import torch
 from helion.autotuner import PowerOfTwoFragment
 
 from helion_backend import tables
-from helion_backend.kernels.configs import (
-    EPILOGUE_CONFIG,
-    GEMV,
-    PAIRED_LOADS,
-    PREQUANTIZE,
-    SWAP_AB,
-    config_for,
-    split_key,
-)
+from helion_backend.kernels.configs import GEMV, PAIRED_LOADS, PREQUANTIZE, SWAP_AB, config_for, split_key
 from helion_backend.kernels.gemm import (
     Layout,
     Signature,
@@ -79,10 +71,10 @@ from helion_backend.kernels.gemm import (
     check_gemm_shapes,
     check_operands,
     compiled_kernel,
-    epilogue_kernel,
     finish_split_k,
     gemv_helion,
     gemv_kernel_config,
+    run_epilogue_pass,
     split_k_target,
     tile_epilogue,
 )
@@ -574,7 +566,7 @@ def int4_gemm_helion(
     (m, k), n = x.shape, packed_kn.shape[1]
     if config is None:
         if frozen_weights and tables.tinygemm_measured_faster(m, k, n, x.dtype, x.device, config_dir, INT4_FAMILY):
-            out = tinygemm_gemm(x, packed_kn, group_scales, steps, operands, scalars, out_dtype)
+            out = _tinygemm_gemm(x, packed_kn, group_scales, sig, operands, scalars)
             if out is not None:
                 return out
         config = config_for(m, k, n, x.dtype, x.device, config_dir, INT4_FAMILY)
@@ -623,6 +615,15 @@ def tinygemm_gemm(
     or the form cannot be made in this call (a CUDA-graph capture): the caller runs a Helion kernel."""
     steps, operands, scalars = tuple(steps), list(operands), [float(s) for s in scalars]
     _check_int4_inputs(x, packed_kn, group_scales)
+    sig = Signature(Layout.of(x), Layout.of(packed_kn), tuple(map(Layout.of, operands)), len(scalars), steps,
+                    out_dtype)
+    check_operands(sig)
+    return _tinygemm_gemm(x, packed_kn, group_scales, sig, operands, scalars)
+
+
+def _tinygemm_gemm(x: torch.Tensor, packed_kn: torch.Tensor, group_scales: torch.Tensor, sig: Signature,
+                   operands: list[torch.Tensor], scalars: list[float]) -> torch.Tensor | None:
+    """:func:`tinygemm_gemm` on checked inputs (``sig`` their signature)."""
     k, n = x.shape[1], packed_kn.shape[1]
     problem = tinygemm_problem(x.dtype, k, n, k // group_scales.shape[1])
     if problem is not None:
@@ -632,14 +633,10 @@ def tinygemm_gemm(
     if prepared is None:
         return None
     product = tinygemm_mm(x, *prepared)
-    if not steps and product.dtype == out_dtype:
+    if not sig.steps and product.dtype == sig.out_dtype:
         return product
-    sig = Signature(Layout.of(product), Layout.of(packed_kn), tuple(map(Layout.of, operands)), len(scalars), steps,
-                    out_dtype)
-    check_operands(sig)
-    out = torch.empty(product.shape, dtype=out_dtype, device=product.device)
-    args = (product.unsqueeze(0), out, operands, scalars, tile_epilogue(steps))
-    compiled_kernel(epilogue_kernel, args, (sig, "tinygemm product"), EPILOGUE_CONFIG, 1)(*args)
+    out = torch.empty(product.shape, dtype=sig.out_dtype, device=product.device)
+    run_epilogue_pass(product.unsqueeze(0), out, sig, operands, scalars, tile_epilogue(sig.steps))
     return out
 
 
