@@ -1,5 +1,5 @@
 """tinygemm as the int4 family's other form (option ``frozen_weights``): the weight in tinygemm's layout, made
-once beside the layer's and remade when the layer's tensors change; where the config table says it runs; and,
+once beside the layer's and kept while its bytes live; where the config table says it runs; and,
 on a GPU, its results through the backend against the unfused layer."""
 
 from __future__ import annotations
@@ -59,22 +59,68 @@ def test_the_form_is_made_once_and_shared_by_views_and_aliases_of_the_bytes():
         assert again is not None and all(a is b for a, b in zip(first, again))
 
 
-@pytest.mark.parametrize("changed", ["packed", "scales"])
-def test_an_in_place_change_of_the_layer_remakes_the_form(changed):
-    """The weight loaded again in place (``load_state_dict``, a weight update): the next call multiplies the
-    new weight, not the copy made before."""
+def test_the_form_is_kept_while_the_bytes_live():
+    """Never remade or replaced while the bytes live (a CUDA graph recorded with it reads its memory at every
+    replay): an in-place change after it was made is not seen, as option ``frozen_weights`` promises."""
     layer, other = _layer(seed=3), _layer(seed=4)
-    x = torch.randn(3, 256, dtype=torch.bfloat16)
     before = tinygemm.prepared_operands(layer.packed, layer.group_params)
     with torch.no_grad():
-        if changed == "packed":
-            layer.packed.copy_(other.packed)
-        else:
-            layer.scales.copy_(other.scales * 3)
+        layer.packed.copy_(other.packed)
     after = tinygemm.prepared_operands(layer.packed, layer.group_params)
-    assert after is not None and after[0] is not before[0]
-    assert _rel(tinygemm.tinygemm_mm(x, *after), layer(x)) < 1e-2
-    assert _rel(tinygemm.tinygemm_mm(x, *before), layer(x)) > 0.1  # the stale form would have been wrong
+    assert after is not None and all(a is b for a, b in zip(before, after))
+
+
+def test_views_of_one_storage_get_forms_of_their_own():
+    """Two weights sliced from one buffer (a fused q/k/v, say): each multiplies as its own weight."""
+    layer = _layer(256, 128)
+    halves = [(layer.packed[i * 64:(i + 1) * 64], layer.group_params[i * 64:(i + 1) * 64]) for i in range(2)]
+    forms = [tinygemm.prepared_operands(packed, scales) for packed, scales in halves]
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    expected = layer(x)
+    for i, form in enumerate(forms):
+        assert _rel(tinygemm.tinygemm_mm(x, *form), expected[:, i * 64:(i + 1) * 64]) < 1e-2
+    assert all(a is b for a, b in zip(forms[0], tinygemm.prepared_operands(*halves[0])))
+
+
+def test_scales_new_at_every_call_keep_a_bounded_number_of_forms(caplog):
+    """Scales that are other tensors at every call (computed anew) would each get a copy of the weight: past
+    the bound the caller gets None (it runs its Helion kernel), with a warning."""
+    layer = _layer()
+    scales = [layer.group_params.clone() for _ in range(tinygemm.MAX_FORMS_PER_STORAGE + 2)]
+    forms = [tinygemm.prepared_operands(layer.packed, each) for each in scales]
+    assert all(form is not None for form in forms[:tinygemm.MAX_FORMS_PER_STORAGE])
+    assert forms[-2:] == [None, None] and "no more tinygemm copies" in caplog.text
+
+
+def _count_forms_made(monkeypatch) -> list[tuple[int, ...]]:
+    """The shapes of the bytes each tinygemm form is made from, in order, from now on."""
+    made, real = [], tinygemm.tinygemm_operands
+
+    def counted(packed_nk, group_params):
+        made.append(tuple(packed_nk.shape))
+        return real(packed_nk, group_params)
+
+    monkeypatch.setattr(tinygemm, "tinygemm_operands", counted)
+    return made
+
+
+def test_a_compiled_graph_makes_the_form_once(monkeypatch):
+    """Regression: a compiled graph hands the op, at its first call, an alias of the bytes with a version
+    counter of its own, and later the buffer's. Keyed on that version, the form was made again at the second
+    call, which under CUDA graphs is the recording: it then ran the Helion kernel at every replay."""
+    from helion_backend.runtime import dispatch
+
+    layer = _layer(256, 64)
+    made = _count_forms_made(monkeypatch)
+    monkeypatch.setattr(dispatch, "_helion_runs_on", lambda x: True)  # the CPU runs tinygemm's CPU form
+    monkeypatch.setattr(tables, "tinygemm_measured_faster", lambda *key: True)
+    compiled = torch.compile(layer, backend="helion_inductor", options={"rewrite_on_cpu": True,
+                                                                      "frozen_weights": True})
+    for _ in range(3):
+        x = torch.randn(2, 256, dtype=torch.bfloat16)
+        with torch.no_grad():
+            assert _rel(compiled(x), layer(x)) < 1e-2
+    assert made == [(64, 128)]
 
 
 def test_the_form_goes_with_the_layer():
@@ -86,11 +132,13 @@ def test_the_form_goes_with_the_layer():
     assert not tinygemm._PREPARED
 
 
-def test_inference_tensors_get_no_form():
-    """An inference tensor has no version counter, so a change to it could not be seen: no copy is kept."""
+def test_inference_tensors_get_a_form():
+    """A model made under ``torch.inference_mode`` (no version counters) runs tinygemm too."""
     with torch.inference_mode():
         layer = _layer()
-    assert tinygemm.prepared_operands(layer.packed, layer.group_params) is None
+    form = tinygemm.prepared_operands(layer.packed, layer.group_params)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    assert form is not None and _rel(tinygemm.tinygemm_mm(x, *form), layer(x)) < 1e-2
 
 
 @pytest.mark.parametrize("dtype, k, n, group, expected", [
@@ -240,13 +288,14 @@ def _frozen_table(tmp_path, layer: Int4WeightOnlyLinear, m: int) -> str:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("zero_points", [False, True])
-def test_a_frozen_int4_site_runs_tinygemm_under_cuda_graphs(tmp_path, zero_points):
+def test_a_frozen_int4_site_runs_tinygemm_under_cuda_graphs(tmp_path, monkeypatch, zero_points):
     """Through the backend with its CUDA graphs (cudagraph trees warm the graph up with allocations routed
     into their pool): the report names tinygemm, replays match the unfused layer on fresh inputs, and the
-    form was made once."""
+    form was made once, before the recording."""
     layer = _layer(4096, 1024, zero_points, "cuda", seed=5, bias=True)
     model = nn.Sequential(layer, nn.GELU(approximate="tanh"))
     options = {"frozen_weights": True, "cache_dir": _frozen_table(tmp_path, layer, 1)}
+    made = _count_forms_made(monkeypatch)
     helion_backend.clear_reports()
     compiled = torch.compile(model, backend="helion_inductor", options=options)
     for _ in range(4):  # warm-up, recording, replays
@@ -256,7 +305,7 @@ def test_a_frozen_int4_site_runs_tinygemm_under_cuda_graphs(tmp_path, zero_point
         assert sqnr_db(expected, out) >= 40
     (site,) = sites(helion_backend.get_reports())
     assert site.runs_on == "helion" and "tinygemm" in site.why, site.why
-    assert len(tinygemm._PREPARED) == 1
+    assert made == [(1024, 2048)]  # at the warm-up; the recording found it
 
 
 @pytest.mark.gpu

@@ -254,7 +254,7 @@ WRONG_KERNEL_SITECUSTOMIZE = '''
 from helion_backend.runtime import dispatch
 
 def wrong_kernel(kernel, x, w_kn, steps, operands, scalars, out_dtype, config_dir=None, program=None,
-                 up_kn=None, *, weight_scale=None, norm=None, up_steps=()):
+                 up_kn=None, *, weight_scale=None, norm=None, up_steps=(), **kernel_options):
     out = dispatch.unfused(x, w_kn, steps, operands, scalars, out_dtype, program, up_kn, weight_scale, norm,
                            up_steps)
     return out * 1.01 if out.shape[1] == 32 else out

@@ -6,8 +6,11 @@ site's epilogue in one Helion pass over its bf16 product. The weight is tiled fo
 bytes and scales on first use, and kept beside them:
 
 - A prepared form belongs to the storage that holds the bytes (whatever view or alias of them a compiled graph
-  passes), through a weak reference: it is dropped with the layer, and remade when the bytes or the scales
-  change in place (their version counters, which aliases share) or are other tensors.
+  passes), through a weak reference, and lives as long as it does: CUDA graphs recorded with it read its
+  memory at every replay, so it is never replaced while the bytes live. Other bytes or scales (another view
+  of the storage, new tensors) get a form of their own. An in-place change of the bytes or scales is not
+  seen: that is what the option ``frozen_weights`` promises. (Version counters cannot tell: the alias a
+  compiled graph passes at its first call has a counter of its own, and later ones share the buffer's.)
 - It is never made inside a CUDA-graph capture (the conversion would be captured and replayed). The caller
   runs its Helion form for such a call instead.
 - It is made on a thread of its own. Inductor's CUDA-graph trees route every allocation of the thread that
@@ -23,15 +26,21 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import weakref
 from collections.abc import Callable
 
 import torch
 
+log = logging.getLogger(__name__)
+
 # tinygemm's K tiling (torchao's default): K must be a multiple of 16 * INNER_K_TILES.
 INNER_K_TILES = 8
 GROUP_SIZES = (32, 64, 128, 256)
 _N_TILE = 8  # tinygemm tiles N by 8: a partial tile would widen the output
+# Forms kept per storage of int4 bytes (weights sliced from one buffer each get one): a bound on the memory
+# where the scales are new tensors at every call.
+MAX_FORMS_PER_STORAGE = 8
 
 
 def tinygemm_problem(x_dtype: torch.dtype, k: int, n: int, group_size: int) -> str | None:
@@ -79,34 +88,34 @@ def tinygemm_mm(x: torch.Tensor, tiled: torch.Tensor, scales_and_zeros: torch.Te
 @dataclasses.dataclass(frozen=True)
 class _Prepared:
     owner: weakref.ref  # the storage holding the bytes
-    source: tuple[object, ...]  # what the form was made from (see _source)
-    tiled: torch.Tensor
-    scales_and_zeros: torch.Tensor
+    forms: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]]  # by what each was made from (_source)
 
 
-# id(storage) -> its prepared form; an entry leaves when its storage is freed.
+# id(storage) -> its prepared forms; an entry leaves when its storage is freed.
 _PREPARED: dict[int, _Prepared] = {}
 _PREPARER: concurrent.futures.ThreadPoolExecutor | None = None
 
 
 def prepared_operands(packed_nk: torch.Tensor,
                       group_params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """:func:`tinygemm_operands` of these tensors, made once and kept (see the module docstring); None where
-    it cannot be made now: during a CUDA-graph capture, or for inference tensors (no version counter to tell
-    that they changed)."""
+    """:func:`tinygemm_operands` of these tensors, made once and kept (see the module docstring); None during
+    a CUDA-graph capture that finds none made, or past :data:`MAX_FORMS_PER_STORAGE`."""
     owner = packed_nk.untyped_storage()  # one Python object per storage, whichever tensor shows it
-    try:
-        source = _source(packed_nk, group_params)
-    except RuntimeError:  # inference tensors track no version
-        return None
+    source = _source(packed_nk, group_params)
     entry = _PREPARED.get(id(owner))
-    if entry is not None and entry.owner() is owner and entry.source == source:
-        return entry.tiled, entry.scales_and_zeros
+    if entry is not None and entry.owner() is owner and source in entry.forms:
+        return entry.forms[source]
     if packed_nk.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
-    tiled, scales_and_zeros = _outside_graph_pools(packed_nk, group_params)
-    _PREPARED[id(owner)] = _Prepared(weakref.ref(owner, _forget_owner(id(owner))), source, tiled, scales_and_zeros)
-    return tiled, scales_and_zeros
+    if entry is None or entry.owner() is not owner:
+        entry = _PREPARED[id(owner)] = _Prepared(weakref.ref(owner, _forget_owner(id(owner))), {})
+    if len(entry.forms) >= MAX_FORMS_PER_STORAGE:
+        log.warning("helion_inductor: no more tinygemm copies of the int4 weight [%s] kept: its bytes or scales "
+                    "came from %d places already (scales computed anew each call?); a Helion kernel runs",
+                    ", ".join(map(str, packed_nk.shape)), len(entry.forms))
+        return None
+    form = entry.forms[source] = _outside_graph_pools(packed_nk, group_params)
+    return form
 
 
 def _forget_owner(key: int) -> Callable[[weakref.ref], None]:
@@ -121,13 +130,13 @@ def _forget_owner(key: int) -> Callable[[weakref.ref], None]:
 
 
 def forget_prepared() -> None:
-    """Drop every prepared form (tests; a process that wants the memory back)."""
+    """Drop every prepared form (tests). A CUDA graph recorded with one must not replay after this."""
     _PREPARED.clear()
 
 
 def _source(packed_nk: torch.Tensor, group_params: torch.Tensor) -> tuple[object, ...]:
-    """What a prepared form stands for: where both tensors' elements are, their shapes and their versions."""
-    return tuple((t.data_ptr(), tuple(t.shape), t.stride(), t._version) for t in (packed_nk, group_params))
+    """What a prepared form stands for: where both tensors' elements are, and their shapes and strides."""
+    return tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in (packed_nk, group_params))
 
 
 def _outside_graph_pools(packed_nk: torch.Tensor, group_params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
