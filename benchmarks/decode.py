@@ -17,6 +17,8 @@ Typical use on the GPU machine (one call of at most ten minutes)::
     python benchmarks/decode.py --formats bf16 --out-dir "$OUT"           # one format a call, then --merge
     python benchmarks/decode.py --merge a/nvidia_h200_decode.json b/nvidia_h200_decode.json
     python benchmarks/decode.py --tp 2 --out-dir "$OUT"                   # sharded over 2 GPUs (decode_tp.py)
+    python benchmarks/decode.py --formats int4_weight_only --batch 1 \
+        --variants reduce_overhead,helion_inductor,helion_inductor_frozen  # and with frozen_weights
 
 and on a CPU, to check the script end to end (tiny model, eager and helion_inductor only)::
 
@@ -327,8 +329,13 @@ TOLERANCES = {"bf16": 3e-2, "fp16": 1e-2, "fp32": 1e-4, "fp8_dynamic": 0.1, "int
 BASE_TOLERANCES = {"fp8_dynamic": 0.15, "int8_dynamic": 0.06, "int8_weight_only": 0.05, "int4_weight_only": 0.25,
                    "int4_weight_only_zp": 0.25}
 
-VARIANTS = ("eager", "reduce_overhead", "max_autotune", "helion_inductor")
 HELION = "helion_inductor"
+# The backend with option frozen_weights (int4 sites may run tinygemm on a copy of the weight kept beside it):
+# beside the default in one run, where asked for.
+HELION_FROZEN = "helion_inductor_frozen"
+HELION_VARIANTS = (HELION, HELION_FROZEN)
+DEFAULT_VARIANTS = ("eager", "reduce_overhead", "max_autotune", HELION)
+VARIANTS = (*DEFAULT_VARIANTS, HELION_FROZEN)
 BASELINES = ("reduce_overhead", "max_autotune")  # what the summary compares helion_inductor with
 
 CALLS_PER_GRAPH = 10  # eager steps captured in one CUDA graph for its GPU time
@@ -362,12 +369,15 @@ def compile_variant(variant: str, model: nn.Module, device: torch.device,
         return torch.compile(model, mode="reduce-overhead", dynamic=False)
     if variant == "max_autotune":
         return torch.compile(model, mode="max-autotune", dynamic=False)
-    if variant == HELION:
+    if variant in HELION_VARIANTS:
         import_helion_backend()
         # The backend turns CUDA graphs on by default for graphs on CUDA; a CPU graph is rewritten only
         # when asked (its fused sites then run the reference implementation).
         options = {} if device.type == "cuda" else {"rewrite_on_cpu": True}
-        return torch.compile(model, backend=HELION, options={**options, **(helion_options or {})}, dynamic=False)
+        options |= helion_options or {}
+        if variant == HELION_FROZEN:
+            options["frozen_weights"] = True
+        return torch.compile(model, backend=HELION, options=options, dynamic=False)
     raise ValueError(f"unknown variant {variant!r}")
 
 
@@ -595,7 +605,7 @@ def _measure_into(result: RowResult, variant: str, model: Decoder, inputs: Decod
     # No torch._dynamo.reset() here: the batch's earlier variants stay compiled for the interleaved wall
     # times; each torch.compile has its own backend, which Dynamo's cache entries are guarded on.
     counters.clear()
-    if variant == HELION:
+    if variant in HELION_VARIANTS:
         import_helion_backend().clear_reports()
     step = model_step(compile_variant(variant, model, device, plan.helion_options), variant)
 
@@ -606,7 +616,7 @@ def _measure_into(result: RowResult, variant: str, model: Decoder, inputs: Decod
         result.compile_s = time.perf_counter() - start
         result.graphs = counters["stats"]["unique_graphs"]
         result.graph_breaks = sum(counters["graph_break"].values())
-    if variant == HELION:
+    if variant in HELION_VARIANTS:
         result.helion_sites = site_counts()
     check(result, [first], refs.first())
 
@@ -712,10 +722,11 @@ def find_row(rows: Sequence[dict], fmt: str, batch: int, variant: str) -> dict |
     return None
 
 
-def speedup(rows: Sequence[dict], fmt: str, batch: int, baseline: str, key: str) -> float | None:
-    """t_baseline / t_helion for one format and batch (> 1: helion_inductor faster); None unless both
-    rows are correct and have the time ``key``."""
-    base, ours = find_row(rows, fmt, batch, baseline), find_row(rows, fmt, batch, HELION)
+def speedup(rows: Sequence[dict], fmt: str, batch: int, baseline: str, key: str,
+            variant: str = HELION) -> float | None:
+    """t_baseline / t_variant for one format and batch (> 1: ``variant`` faster); None unless both rows are
+    correct and have the time ``key``."""
+    base, ours = find_row(rows, fmt, batch, baseline), find_row(rows, fmt, batch, variant)
     if base is None or ours is None or not (row_is_correct(base) and row_is_correct(ours)):
         return None
     if base[key] is None or ours[key] is None:
@@ -743,14 +754,19 @@ def baselines_in(rows: Sequence[dict]) -> list[str]:
 
 
 def summary_lines(rows: Sequence[dict]) -> list[str]:
-    """Per format: geomean over batches of helion_inductor's speedup over each baseline, wall and GPU."""
+    """Per format: geomean over batches of helion_inductor's speedup over each baseline, wall and GPU (and of
+    helion_inductor_frozen's over each baseline and over helion_inductor, where it ran)."""
     lines = []
+    frozen_ran = any(row["variant"] == HELION_FROZEN for row in rows)
+    comparisons = [(HELION, baseline) for baseline in baselines_in(rows)]
+    if frozen_ran:
+        comparisons += [(HELION_FROZEN, baseline) for baseline in (*baselines_in(rows), HELION)]
     for fmt in ordered(list(dict.fromkeys(row["format"] for row in rows)), FORMATS):
         batches = sorted({row["batch"] for row in rows if row["format"] == fmt})
-        for baseline in baselines_in(rows):
-            cells = [f"{label} geomean {geomean_cell([speedup(rows, fmt, b, baseline, key) for b in batches])}"
+        for ours, baseline in comparisons:
+            cells = [f"{label} geomean {geomean_cell([speedup(rows, fmt, b, baseline, key, ours) for b in batches])}"
                      for label, key in (("wall", "wall_us"), ("GPU", "gpu_us"))]
-            lines.append(f"{fmt}: {HELION} vs {baseline}: {', '.join(cells)}")
+            lines.append(f"{fmt}: {ours} vs {baseline}: {', '.join(cells)}")
     return lines or [f"no rows to compare: {HELION} and one of {', '.join(BASELINES)} must both run"]
 
 
@@ -770,20 +786,22 @@ def target_lines(rows: Sequence[dict]) -> list[str]:
     """Each step-time target whose rows ran, met or missed, and helion_inductor's wall over GPU time."""
     lines = []
     for fmt, other_fmt, other_variant, target in STEP_TARGETS:
-        ours, other = find_row(rows, fmt, TARGET_BATCH, HELION), find_row(rows, other_fmt, TARGET_BATCH, other_variant)
-        if ours is None or other is None or not (row_is_correct(ours) and row_is_correct(other)):
-            continue
-        if ours["gpu_us"] is None or other["gpu_us"] is None:
-            continue
-        ratio = other["gpu_us"] / ours["gpu_us"]
-        floor = ours.get("hbm_floor_us")
-        needs = f"; it needs {100 * floor * target / other['gpu_us']:.0f}% of the HBM floor" if floor else ""
-        lines.append(f"batch {TARGET_BATCH}, GPU: {HELION} {fmt} vs {other_variant} {other_fmt}: {ratio:.2f}x: "
-                     f"{'met' if ratio >= target else 'missed'} (>= {target:g}x{needs})")
+        for variant in HELION_VARIANTS:
+            ours = find_row(rows, fmt, TARGET_BATCH, variant)
+            other = find_row(rows, other_fmt, TARGET_BATCH, other_variant)
+            if ours is None or other is None or not (row_is_correct(ours) and row_is_correct(other)):
+                continue
+            if ours["gpu_us"] is None or other["gpu_us"] is None:
+                continue
+            ratio = other["gpu_us"] / ours["gpu_us"]
+            floor = ours.get("hbm_floor_us")
+            needs = f"; it needs {100 * floor * target / other['gpu_us']:.0f}% of the HBM floor" if floor else ""
+            lines.append(f"batch {TARGET_BATCH}, GPU: {variant} {fmt} vs {other_variant} {other_fmt}: {ratio:.2f}x: "
+                         f"{'met' if ratio >= target else 'missed'} (>= {target:g}x{needs})")
     for row in rows:
-        if row["variant"] == HELION and row["batch"] == TARGET_BATCH and row["wall_us"] and row["gpu_us"]:
+        if row["variant"] in HELION_VARIANTS and row["batch"] == TARGET_BATCH and row["wall_us"] and row["gpu_us"]:
             ratio = row["wall_us"] / row["gpu_us"]
-            lines.append(f"batch {TARGET_BATCH}, {HELION} {row['format']}: wall / GPU {ratio:.2f}: "
+            lines.append(f"batch {TARGET_BATCH}, {row['variant']} {row['format']}: wall / GPU {ratio:.2f}: "
                          f"{'met' if ratio <= WALL_OVER_GPU_TARGET else 'missed'} (<= {WALL_OVER_GPU_TARGET:g})")
     return lines
 
@@ -951,7 +969,7 @@ class Plan:
 StepTimer = Callable[[RowResult, str, Callable[[], torch.Tensor], References, Plan, torch.device], None]
 
 PRESETS = {
-    "default": Plan(config=QWEN3_8B, formats=("bf16", "fp8_dynamic"), batches=(1, 8, 32), variants=VARIANTS,
+    "default": Plan(config=QWEN3_8B, formats=("bf16", "fp8_dynamic"), batches=(1, 8, 32), variants=DEFAULT_VARIANTS,
                     device="cuda", steps=100, warmup=10),
     # CPU, one tiny layer, batch 1: checks the script in well under a minute on two cores; measures nothing.
     "smoke": Plan(config=SMOKE_CONFIG, formats=("bf16", "fp8_dynamic"), batches=(1,),
@@ -991,7 +1009,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--formats", type=comma_list(FORMATS),
                         help=f"comma list of {FORMATS} (default bf16,fp8_dynamic)")
     parser.add_argument("--batch", type=int_list, help="comma list of batch sizes (default 1,8,32)")
-    parser.add_argument("--variants", type=comma_list(VARIANTS), help="comma list of variants")
+    parser.add_argument("--variants", type=comma_list(VARIANTS),
+                        help=f"comma list of {VARIANTS} (default {','.join(DEFAULT_VARIANTS)})")
     parser.add_argument("--helion-rules", nargs="+", metavar="TOML",
                         help="rule files helion_inductor loads besides the shipped ones "
                              "(e.g. my_rules.toml)")
@@ -1143,10 +1162,12 @@ def run(plan: Plan, out_dir: Path, budget_s: float) -> Path:
                     result, timed = measure_variant(variant, model, inputs, refs, plan, device)
                     if timed is not None:
                         timed_steps[variant] = timed
-                    if variant == HELION and fmt not in metadata["helion_reports"] and result.helion_sites:
+                    report_key = fmt if variant == HELION else f"{fmt}, {variant}"
+                    if (variant in HELION_VARIANTS and report_key not in metadata["helion_reports"]
+                            and result.helion_sites):
                         summaries = [r.summary() for r in import_helion_backend().get_reports()]
-                        metadata["helion_reports"][fmt] = summaries
-                        print(f"{HELION} report, {fmt}, batch {batch}:", *summaries, sep="\n", flush=True)
+                        metadata["helion_reports"][report_key] = summaries
+                        print(f"{variant} report, {fmt}, batch {batch}:", *summaries, sep="\n", flush=True)
                     rows.append(make_row(fmt, batch, variant, result, hbm_floor_us))
                     batch_rows[variant] = rows[-1]
                     done += 1

@@ -123,23 +123,29 @@ def test_smoke_run_writes_every_row_within_tolerance(tmp_path):
 def test_smoke_run_of_the_int4_model_fuses_every_linear(tmp_path):
     """``--formats int4_weight_only``: every linear of the smoke decoder (q, k, v, o, gate, up, down, the LM
     head) is an int4 site with its ``dequant_int4`` prologue, and the logits are within the format's
-    tolerances of the eager int4 model and of the eager bf16 one. ``--inductor-config`` is taken and recorded."""
+    tolerances of the eager int4 model and of the eager bf16 one, with and without ``frozen_weights`` (the
+    ``helion_inductor_frozen`` variant, in the same run). ``--inductor-config`` is taken and recorded."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
            "HELION_INDUCTOR_CACHE_DIR": str(tmp_path / "backend")}
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode.py"), "--smoke", "--formats",
                              "int4_weight_only", "--out-dir", str(tmp_path),
+                             "--variants", f"eager,{decode.HELION},{decode.HELION_FROZEN}",
                              "--inductor-config", '{"triton.enable_pdl": true}'],
                             capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     data = json.loads((tmp_path / "cpu_decode.json").read_text())
     assert data["metadata"]["inductor_config"] == {"triton.enable_pdl": True}  # recorded, for every variant
-    (row,) = [row for row in data["rows"] if row["variant"] == decode.HELION]
-    assert row["error"] is None and decode.row_is_correct(row), row
-    assert row["rel_err"] <= decode.TOLERANCES["int4_weight_only"], row["rel_err"]
-    assert row["rel_err_base"] <= decode.BASE_TOLERANCES["int4_weight_only"], row["rel_err_base"]
-    report = "\n".join(data["metadata"]["helion_reports"]["int4_weight_only"])
-    assert report.count("[int4_weight_only_linear]") == 7 * decode.SMOKE_CONFIG.layers + 1, report
-    assert report.count("dequant_int4 -> mm") == 7 * decode.SMOKE_CONFIG.layers + 1, report
+    assert [row["variant"] for row in data["rows"]] == ["eager", decode.HELION, decode.HELION_FROZEN]
+    for row in data["rows"][1:]:
+        assert row["error"] is None and decode.row_is_correct(row), row
+        assert row["rel_err"] <= decode.TOLERANCES["int4_weight_only"], row["rel_err"]
+        assert row["rel_err_base"] <= decode.BASE_TOLERANCES["int4_weight_only"], row["rel_err_base"]
+    for key in ("int4_weight_only", f"int4_weight_only, {decode.HELION_FROZEN}"):
+        report = "\n".join(data["metadata"]["helion_reports"][key])
+        assert report.count("[int4_weight_only_linear]") == 7 * decode.SMOKE_CONFIG.layers + 1, report
+        assert report.count("dequant_int4 -> mm") == 7 * decode.SMOKE_CONFIG.layers + 1, report
+    table = (tmp_path / "cpu_decode.md").read_text()
+    assert f"int4_weight_only: {decode.HELION_FROZEN} vs {decode.HELION}: wall geomean" in table, table
 
 
 def test_interleaved_wall_times_rotate_the_variants_and_skip_each_turns_first_step():
@@ -183,14 +189,17 @@ def test_step_targets_are_set_against_the_rows_that_ran():
                 "rel_err": 1e-3, "tolerance": 3e-2, "rel_err_base": None, "tolerance_base": None}
 
     rows = [row("bf16", "reduce_overhead", 900.0, 1000.0), row("bf16", decode.HELION, 600.0, 640.0),
-            row("int4_weight_only", decode.HELION, 500.0, 600.0), row("bf16", decode.HELION, 10.0, 10.0, batch=8)]
+            row("int4_weight_only", decode.HELION, 500.0, 600.0), row("bf16", decode.HELION, 10.0, 10.0, batch=8),
+            row("int4_weight_only", decode.HELION_FROZEN, 450.0, 495.0)]
     rows[1]["hbm_floor_us"] = 540.0  # 1.5x over 900 us asks for 600 us, 90% of the floor
     assert decode.target_lines(rows) == [
         "batch 1, GPU: helion_inductor bf16 vs reduce_overhead bf16: 1.50x: met (>= 1.5x; it needs 90% of the HBM "
         "floor)",
         "batch 1, GPU: helion_inductor int4_weight_only vs reduce_overhead bf16: 1.80x: missed (>= 2x)",
+        "batch 1, GPU: helion_inductor_frozen int4_weight_only vs reduce_overhead bf16: 2.00x: met (>= 2x)",
         "batch 1, helion_inductor bf16: wall / GPU 1.07: met (<= 1.1)",
         "batch 1, helion_inductor int4_weight_only: wall / GPU 1.20: missed (<= 1.1)",
+        "batch 1, helion_inductor_frozen int4_weight_only: wall / GPU 1.10: met (<= 1.1)",
     ]
 
 
