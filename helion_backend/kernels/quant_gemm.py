@@ -557,12 +557,7 @@ def int4_gemm_helion(
     columns of K). With ``frozen_weights`` (the weight never changes in place) and no ``config`` given,
     :func:`tinygemm_gemm` runs where the config table timed it faster than the table's config."""
     steps, operands, scalars = tuple(steps), list(operands), [float(s) for s in scalars]
-    _check_int4_inputs(x, packed_kn, group_scales)
-    sig = Signature(
-        Layout.of(x), Layout.of(packed_kn), tuple(map(Layout.of, operands)), len(scalars), steps, out_dtype
-    )
-    check_operands(sig)
-    check_family_steps(steps, INT4_FAMILY)
+    sig = _int4_signature(x, packed_kn, group_scales, steps, operands, scalars, out_dtype)
     (m, k), n = x.shape, packed_kn.shape[1]
     if config is None:
         if frozen_weights and tables.tinygemm_measured_faster(m, k, n, x.dtype, x.device, config_dir, INT4_FAMILY):
@@ -614,10 +609,7 @@ def tinygemm_gemm(
     tinygemm form is made at the first call and kept beside it. None where tinygemm cannot take the operands
     or the form cannot be made in this call (a CUDA-graph capture): the caller runs a Helion kernel."""
     steps, operands, scalars = tuple(steps), list(operands), [float(s) for s in scalars]
-    _check_int4_inputs(x, packed_kn, group_scales)
-    sig = Signature(Layout.of(x), Layout.of(packed_kn), tuple(map(Layout.of, operands)), len(scalars), steps,
-                    out_dtype)
-    check_operands(sig)
+    sig = _int4_signature(x, packed_kn, group_scales, steps, operands, scalars, out_dtype)
     return _tinygemm_gemm(x, packed_kn, group_scales, sig, operands, scalars)
 
 
@@ -645,6 +637,17 @@ def _steps_within_groups(config: helion.Config, group_bytes: int) -> bool:
     group's bytes (the steps start at multiples of the block, split-K's parts at multiples of 256 bytes)."""
     block_k = config["block_sizes"][2]
     return block_k <= group_bytes and group_bytes % block_k == 0
+
+
+def _int4_signature(x: torch.Tensor, packed_kn: torch.Tensor, group_scales: torch.Tensor, steps: tuple[str, ...],
+                    operands: list[torch.Tensor], scalars: list[float], out_dtype: torch.dtype) -> Signature:
+    """The int4 launch's signature, once its inputs, epilogue operands and steps are checked."""
+    _check_int4_inputs(x, packed_kn, group_scales)
+    sig = Signature(Layout.of(x), Layout.of(packed_kn), tuple(map(Layout.of, operands)), len(scalars), steps,
+                    out_dtype)
+    check_operands(sig)
+    check_family_steps(steps, INT4_FAMILY)
+    return sig
 
 
 def _check_int4_inputs(x: torch.Tensor, packed_kn: torch.Tensor, group_scales: torch.Tensor) -> None:
