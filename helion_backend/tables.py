@@ -32,7 +32,7 @@ TUNED_DIR = Path(__file__).resolve().parent / "kernels" / "tuned"
 PREQUANTIZE = "prequantize"
 # In the int4 configs: read the activation as [M, K/2, 2] pairs and split them in registers.
 PAIRED_LOADS = "paired_loads"
-# In the configs of one row (16-bit, fp8, int8, int8 and int4 weight-only): run the family's GEMV kernel
+# In the configs of a few rows (16-bit, fp8, int8, int8 and int4 weight-only): run the family's GEMV kernel
 # (elementwise products summed over K after the loop, no tensor-core dot, whose rows Helion pads to 16; see
 # kernels/gemm.py's ``gemv_kernel`` and kernels/quant_gemm.py's ``int4_gemv_kernel``).
 GEMV = "gemv"

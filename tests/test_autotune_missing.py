@@ -178,7 +178,8 @@ def test_the_real_key_loop_with_a_fake_tuner_and_timer(tmp_path, monkeypatch, fa
     out, expected, reports = compile_mlp(tmp_path, autotune_missing=True, autotune_budget_s=4)
     torch.testing.assert_close(out, expected)
     assert sorted(user_table(tmp_path)) == sorted([FIRST, SECOND])
-    assert searched == [("quick", 4), ("quick", 4)]  # K <= 1024: one split each, the whole budget
+    # K <= 1024: one split each, as a dot and as a GEMV (M = 4), half the budget each
+    assert searched == [("quick", 2)] * 4
     entries = json.loads((tmp_path / "configs" / "test_gpu.json").read_text())["entries"]
     assert all(e["error"] <= tuning.TOLERANCE for e in entries)
 

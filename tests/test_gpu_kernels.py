@@ -15,7 +15,7 @@ from helion_backend.kernels.gemm import gemm_epilogue_helion, glu_gemm_helion
 from helion_backend.runtime.dispatch import flatten_operands
 from helion_backend.semantics.epilogue import apply_epilogue, operand_kinds
 from helion_backend.semantics.norm import RmsNormSpec, rms_norm
-from helion_backend.tuning.candidates import GEMV_CANDIDATES, candidate_configs
+from helion_backend.tuning.candidates import GEMV_CANDIDATES, candidate_configs, gemv_rows
 from helion_backend.vocabulary import EPILOGUE_STEPS, Operand
 
 pytestmark = pytest.mark.gpu
@@ -115,6 +115,15 @@ def test_gemv_form(m, dtype, config):
     """The sweep's GEMV tiles (``gemv``: no dot, N tiles down to one column), at one row and, as a table entry
     of one row would serve a lookup from more where no other entry exists, at five."""
     check(m, K, N, dtype, "nk", EPILOGUE, config=config)
+
+
+@pytest.mark.parametrize("m", [3, 8])
+@pytest.mark.parametrize("config", range(len(GEMV_CANDIDATES)))
+def test_gemv_form_at_more_rows(m, config):
+    """The sweep's GEMV tiles as it offers them at more rows (``gemv_rows``: an M block of M's next power of two,
+    K blocks as many times shallower)."""
+    (block,) = candidate_configs(m, N, gemv_rows(m, GEMV_CANDIDATES[config:config + 1]), **{configs.GEMV: True})
+    check(m, K, N, torch.bfloat16, "nk", EPILOGUE, config=block)
 
 
 def test_gemv_form_on_a_kn_weight():

@@ -311,15 +311,16 @@ def _int4_candidate_matches_the_graph(candidate: tuple, m: int, n: int, seed: in
     assert sqnr_db(reference(x, w_kn, steps, operands, [], torch.bfloat16), out) >= 40
 
 
+@pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("candidate", range(14))
-def test_int4_gemv_form_every_candidate(candidate):
-    """Each of the tuner's int4 GEMV candidates (``gemv``: ``int4_gemv_kernel``) at one row; the odd ones with
-    zero points."""
-    from helion_backend.tuning.candidates import INT4_GEMV_CANDIDATES
+def test_int4_gemv_form_every_candidate(candidate, m):
+    """Each of the tuner's int4 GEMV candidates (``gemv``: ``int4_gemv_kernel``) at one row and, as the tuner
+    offers them at more (``gemv_rows``), at 3 and 8; the odd ones with zero points."""
+    from helion_backend.tuning.candidates import INT4_GEMV_CANDIDATES, gemv_rows
 
     assert len(INT4_GEMV_CANDIDATES) == 14
-    _int4_candidate_matches_the_graph(INT4_GEMV_CANDIDATES[candidate], 1, 1024, candidate, candidate % 2 == 1,
-                                      gemv=True)
+    _int4_candidate_matches_the_graph(gemv_rows(m, INT4_GEMV_CANDIDATES[candidate:candidate + 1])[0], m, 1024,
+                                      candidate + m, candidate % 2 == 1, gemv=True)
 
 
 @pytest.mark.parametrize("m", [1, 8, 32])

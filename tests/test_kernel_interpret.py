@@ -468,12 +468,14 @@ def test_int4_weight_only_kernel_dequantizes_as_the_graph(dtype, split_k, paired
 
 
 @pytest.mark.parametrize("k, group", INT4_SHAPES)
-@pytest.mark.parametrize("m, block_n, zero_points", [(1, 1, False), (1, 4, True), (3, 8, False), (3, 8, True)])
-def test_int4_gemv_form_dequantizes_as_the_graph(m, block_n, zero_points, k, group):
+@pytest.mark.parametrize("m, block_m, block_n, zero_points", [(1, 16, 1, False), (1, 16, 4, True), (3, 16, 8, False),
+                                                             (3, 16, 8, True), (4, 4, 8, True), (8, 8, 2, False)])
+def test_int4_gemv_form_dequantizes_as_the_graph(m, block_m, block_n, zero_points, k, group):
     """``gemv`` on int4 (``int4_gemv_kernel``): the layer's [N, K/2] bytes and [N, K/G] scales (and zero
     points) read along K,
     each byte's two products summed after the loop; K blocks of 32 bytes across or within the groups
-    (``INT4_SHAPES``), N tiles of one column up. The tuner offers it at one row; it is right at any M."""
+    (``INT4_SHAPES``), N tiles of one column up. The tuner offers it up to ``GEMV_MAX_M`` rows with an M block of
+    M's next power of two (``gemv_rows``); it is right at any M and M block."""
     import torch.nn as nn
 
     from helion_backend.kernels.gemm import record_launches
@@ -481,12 +483,12 @@ def test_int4_gemv_form_dequantizes_as_the_graph(m, block_n, zero_points, k, gro
     from helion_backend.layers.quantize import Int4WeightOnlyLinear
     from helion_backend.semantics.reference import dequantize_int4, reference
 
-    torch.manual_seed(m + block_n)
+    torch.manual_seed(m + block_m + block_n)
     dtype = torch.float16  # the interpreter's bfloat16 arithmetic works on raw bit patterns (see above)
     layer = Int4WeightOnlyLinear.from_linear(nn.Linear(k, 24).to(dtype), group_size=group, zero_points=zero_points)
     x = torch.randn(m, k, dtype=dtype)
     steps, operands = ("bias", "silu"), [layer.bias]
-    config = helion.Config(block_sizes=[16, block_n, 32], num_warps=4, num_stages=1, gemv=True)
+    config = helion.Config(block_sizes=[block_m, block_n, 32], num_warps=4, num_stages=1, gemv=True)
     with record_launches() as launches:
         out = int4_gemm_helion(x, layer.packed.t(), layer.group_params, steps, operands, [], dtype, config=config)
     assert [launch.kernel for launch in launches] == [int4_gemv_kernel]

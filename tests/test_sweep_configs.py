@@ -92,7 +92,7 @@ def test_prequantize_is_tried_only_where_the_site_quantizes_its_rows(kernel):
     from helion_backend.kernels.configs import PREQUANTIZE
     from helion_backend.vocabulary import ACTIVATION_QUANT_STEPS
 
-    default = sweep.sweep_keys(kernel, ["qwen3_8b"], [8])[0]
+    default = sweep.sweep_keys(kernel, ["qwen3_8b"], [tuning_problems.GEMV_MAX_M + 1])[0]  # no GEMV form
     plain = candidates_for(default)
     assert not any(PREQUANTIZE in c for c in plain) and len(set(plain)) == len(plain)
     assert any(c["block_sizes"][2] == 1024 for c in plain)  # the one-byte tiles
@@ -124,7 +124,8 @@ def test_one_byte_gemms_try_64_row_tiles(kernel):
     single GEMM, whose wrapper runs the row as two (Helion ignores the row block of one row). A float
     activation (weight-only int8) does not."""
     def row_blocks(family: str, m: int) -> set[int]:
-        return {c["block_sizes"][0] for c in candidates_for(sweep.sweep_keys(family, ["qwen3_8b"], [m])[0])}
+        candidates = candidates_for(sweep.sweep_keys(family, ["qwen3_8b"], [m])[0])
+        return {c["block_sizes"][0] for c in candidates if not c.get("gemv")}  # the GEMV's have a test of their own
 
     single = kernel in ("gemm_fp8", "gemm_int8")
     assert row_blocks(kernel, 2) == {16, 64} and row_blocks(kernel, 1) == ({16, 64} if single else {16})
@@ -135,8 +136,7 @@ def test_int4_tries_each_block_with_both_activation_loads():
     from helion_backend.kernels.configs import PAIRED_LOADS, SWAP_AB
 
     candidates = candidates_for(sweep.sweep_keys("gemm_int4", ["qwen3_8b"], [8])[0])
-    assert not any(c.get("gemv") for c in candidates)  # the GEMV form only at one row
-    tiles = [c for c in candidates if not c.get(SWAP_AB)]
+    tiles = [c for c in candidates if not c.get(SWAP_AB) and not c.get("gemv")]
     paired = {helion.Config(**{k: v for k, v in c.items() if k != PAIRED_LOADS}) for c in tiles if c.get(PAIRED_LOADS)}
     assert paired and paired == {c for c in tiles if not c.get(PAIRED_LOADS)}
 
@@ -155,13 +155,26 @@ def test_int4_tries_its_swapped_form_at_every_decode_m(m):
 
 
 @pytest.mark.parametrize("family", ["gemm", "gemm_fp8", "gemm_int8", "gemm_weight_only", "gemm_int4"])
-def test_the_single_gemms_try_gemv_tiles_at_one_row(family):
-    """At one row the single GEMM, 16-bit or on one-byte or int4 weights, also tries the GEMV form (``gemv``),
-    with N tiles down to one column and no split-K; not from two rows."""
+def test_the_single_gemms_try_gemv_tiles_at_a_few_rows(family):
+    """Up to ``GEMV_MAX_M`` rows the single GEMM, 16-bit or on one-byte or int4 weights, also tries the GEMV form
+    (``gemv``), with N tiles down to one column and no split-K; not past it."""
     one_row = gemv_configs(family, 1)
     assert one_row and min(c["block_sizes"][1] for c in one_row) == 1
     assert all(c["split_k"] == 1 for c in one_row)
-    assert not gemv_configs(family, 2)
+    assert gemv_configs(family, tuning_problems.GEMV_MAX_M)
+    assert not gemv_configs(family, tuning_problems.GEMV_MAX_M + 1)
+
+
+@pytest.mark.parametrize("family", ["gemm", "gemm_int4"])
+@pytest.mark.parametrize("m", [2, 3, 8])
+def test_the_gemv_tiles_at_more_rows_hold_as_many_products_a_step(family, m):
+    """A GEMV step holds block_m x block_n x block_k products, and Helion keeps block_m above one row: so at M
+    rows the GEMV candidates have an M block of M's next power of two and K blocks that many times shallower
+    (32 at least), with the N tiles, warps and stages of one row's."""
+    rows = 1 << (m - 1).bit_length()
+    expected = {(rows, bn, max(bk // rows, 32), c["num_warps"], c["num_stages"])
+                for c in gemv_configs(family, 1) for _, bn, bk in [c["block_sizes"]]}
+    assert {(*c["block_sizes"], c["num_warps"], c["num_stages"]) for c in gemv_configs(family, m)} == expected
 
 
 @pytest.mark.parametrize("family", ["gemm_glu", "gemm_multi", "gemm_glu_fp8", "gemm_multi_fp8", "gemm_fp8_block"])

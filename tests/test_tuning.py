@@ -329,7 +329,8 @@ def fixed_times(table: dict[str, float]):
 
 def test_tune_key_validates_every_split_and_writes_an_entry_the_backend_loads(cpu_table_dir, reference_kernels):
     _, wrong = reference_kernels
-    k = key(4, k=2048, n=64, epilogue=("bias", "residual"))  # K = 2048: split-K 1 and 2 are searched
+    # K = 2048: split-K 1 and 2 are searched; 16 rows: no GEMV form
+    k = key(16, k=2048, n=64, epilogue=("bias", "residual"))
     tuned = {1: config(32, split_k=1), 2: config(64, split_k=2)}
     wrong.append(tuned[2])
     searched = []
@@ -354,8 +355,8 @@ def test_tune_key_validates_every_split_and_writes_an_entry_the_backend_loads(cp
 
     ConfigTable.load(cpu_table_dir / "test_gpu.json", "cmd").put(entry, tuning.table_metadata(torch.device("cpu")))
     user_dir = str(cpu_table_dir)
-    assert configs.config_for(4, 2048, 64, torch.bfloat16, CUDA, user_dir) == tuned[1]
-    decided = tables.decision(4, 2048, 64, torch.bfloat16, CUDA, user_dir)
+    assert configs.config_for(16, 2048, 64, torch.bfloat16, CUDA, user_dir) == tuned[1]
+    decided = tables.decision(16, 2048, 64, torch.bfloat16, CUDA, user_dir)
     assert (decided.evidence, decided.helion, decided.lead) == ("exact", True, 1.5)  # 4.5 us against 3.0
 
 
@@ -364,9 +365,9 @@ def test_tune_key_keeps_todays_config_when_the_search_finds_nothing_better(cpu_t
         return config(16, split_k=search.fixed["split_k"])
 
     timings = iter([9.0, 2.0, 2.5])  # the autotuned config, today's, the fallback
-    entry = tuning.tune_key(key(4, k=1024, n=64), torch.device("cpu"), effort="full", budget_s=None, tuner=tuner,
+    entry = tuning.tune_key(key(16, k=1024, n=64), torch.device("cpu"), effort="full", budget_s=None, tuner=tuner,
                             timer=lambda step: next(timings))
-    assert entry["config"] == dict(configs.default_config(4, 1024, 64, torch.bfloat16))
+    assert entry["config"] == dict(configs.default_config(16, 1024, 64, torch.bfloat16))
     assert (entry["us"], entry["helion_wins"]) == (2.0, True)
 
 
@@ -434,13 +435,15 @@ def test_an_unknown_effort_is_refused_before_any_work():
 
 def family_key(kernel: str, fused: bool = False) -> TuneKey:
     """A small key of ``kernel`` as a compile records it (the float ones with their RMSNorm; the quantized ones
-    as the option ``fuse_activation_quant`` says)."""
+    as the option ``fuse_activation_quant`` says), at more rows than the GEMV form is searched at (its
+    searches have tests of their own)."""
+    m = tuning_problems.GEMV_MAX_M + 1
     if kernel in QUANT_FORMAT_OF:
         dtype, prologue, steps = quantized_site(kernel, fused)
-        return TuneKey(kernel, (*steps, "gelu_tanh", "residual"), dtype, 1024, 256, 2, prologue=prologue)
+        return TuneKey(kernel, (*steps, "gelu_tanh", "residual"), dtype, 1024, 256, m, prologue=prologue)
     widths = (128, 64, 64) if kernel == "gemm_multi" else ()
     epilogue = {"gemm": ("bias", "gelu_tanh"), "gemm_glu": ("silu", "up_mul"), "gemm_multi": ("relu",)}[kernel]
-    return TuneKey(kernel, epilogue, "bfloat16", 2048, sum(widths) or 128, 3, widths, ("rmsnorm",))
+    return TuneKey(kernel, epilogue, "bfloat16", 2048, sum(widths) or 128, m, widths, ("rmsnorm",))
 
 
 FAMILIES = ["gemm", "gemm_glu", "gemm_multi", *QUANT_FORMAT_OF]
@@ -509,17 +512,19 @@ def test_every_family_searches_its_own_keys_and_records_the_table_layout(kernel,
     assert configs.config_for(k.m, k.k, k.n, dtype, CUDA, str(cpu_table_dir), kernel) == best
 
 
-@pytest.mark.parametrize("m, ours", [(1, {configs.GEMV: (False, True)}), (2, {})])
-def test_the_16_bit_gemm_searches_its_gemv_form_at_one_row_only(m, ours):
-    """Helion's search cannot switch between a dot and a GEMV (a constant of ours), so at one row each split is
-    searched both ways; from two rows the GEMV's broadcast would multiply the registers by the row tile."""
+@pytest.mark.parametrize("m, ours", [(1, {configs.GEMV: (False, True)}), (tuning_problems.GEMV_MAX_M,
+                                      {configs.GEMV: (False, True)}), (tuning_problems.GEMV_MAX_M + 1, {})])
+def test_the_16_bit_gemm_searches_its_gemv_form_at_a_few_rows_only(m, ours):
+    """Helion's search cannot switch between a dot and a GEMV (a constant of ours), so up to ``GEMV_MAX_M`` rows
+    each split is searched both ways; past it the GEMV's multiply-adds a weight outweigh its read."""
     problem = build_problem(TuneKey("gemm", ("bias",), "bfloat16", 2048, 128, m), torch.device("cpu"))
     assert dict(problem.searched) == {"split_k": configs.split_k_choices(2048), **ours}
 
 
 @pytest.mark.parametrize("tune_key, ours", [
     (TuneKey("gemm_fp8", ("token_scale", "channel_scale"), "float8_e4m3fn", 256, 256, 1), {"gemv", "swap_ab"}),
-    (TuneKey("gemm_fp8", ("token_scale", "channel_scale"), "float8_e4m3fn", 256, 256, 2), {"swap_ab"}),
+    (TuneKey("gemm_fp8", ("token_scale", "channel_scale"), "float8_e4m3fn", 256, 256, 8), {"gemv", "swap_ab"}),
+    (TuneKey("gemm_fp8", ("token_scale", "channel_scale"), "float8_e4m3fn", 256, 256, 16), {"swap_ab"}),
     (TuneKey("gemm_int8", ("act_scale", "channel_scale"), "int8", 256, 256, 1, prologue=("quant_int8_per_token",)),
      {"prequantize", "gemv", "swap_ab"}),
     (TuneKey("gemm_weight_only", ("channel_scale",), "bfloat16", 256, 256, 1, prologue=("dequant_int8",)),
@@ -527,12 +532,14 @@ def test_the_16_bit_gemm_searches_its_gemv_form_at_one_row_only(m, ours):
     (TuneKey("gemm_int4", (), "bfloat16", 256, 256, 1, prologue=("dequant_int4",)),
      {"paired_loads", "gemv", "swap_ab"}),
     (TuneKey("gemm_int4", (), "bfloat16", 256, 256, 2, prologue=("dequant_int4",)),
+     {"paired_loads", "gemv", "swap_ab"}),
+    (TuneKey("gemm_int4", (), "bfloat16", 256, 256, 16, prologue=("dequant_int4",)),
      {"paired_loads", "swap_ab"}),
     (TuneKey("gemm_fp8_block", (), "bfloat16", 256, 256, 8, prologue=("quant_fp8_per_group", "dequant_fp8_block")),
      {"prequantize"}),
 ])
-def test_the_quantized_gemms_search_the_gemv_at_one_row_and_the_swap(tune_key, ours):
-    """fp8, int8 and weight-only int8 also run the GEMV kernel at one row and the swapped kernel at any M, both
+def test_the_quantized_gemms_search_the_gemv_at_a_few_rows_and_the_swap(tune_key, ours):
+    """fp8, int8 and weight-only int8 also run the GEMV kernel at a few rows and the swapped kernel at any M, both
     on rows quantized first; int4 both on its packed weight; block fp8 neither."""
     assert set(tuning_problems.wrapper_keys(tune_key)) == ours
 

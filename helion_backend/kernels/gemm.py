@@ -11,7 +11,7 @@ Split-K is the ``split_k`` tunable. The GEMM kernel writes ``out[split, m, n]``:
 atomics, so three launches become two), and :func:`epilogue_kernel` sums the slices and applies the
 epilogue (not linear, so never to partial sums).
 
-At one row the config key ``gemv`` runs :func:`gemv_kernel` instead: no tensor-core dot, no split-K, N tiles
+At a few rows the config key ``gemv`` runs :func:`gemv_kernel` instead: no tensor-core dot, no split-K, N tiles
 down to one column (what Inductor's tuned reduction does with a one-row ``mm`` under max-autotune).
 
 Nothing here autotunes: every call runs an explicit config (given, or from :mod:`.configs`), compiled once

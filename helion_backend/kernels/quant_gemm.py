@@ -19,7 +19,7 @@ only with the option ``fuse_activation_quant``.
 
 ``lowp_gemm_kernel`` multiplies inputs as they come: fp8 x fp8 or int8 x int8 (already quantized), or a
 float activation with a one-byte weight converted block by block (int8 weight-only, block fp8's weight).
-At one row the config key ``gemv`` runs the same inputs through :func:`.gemm.gemv_kernel` instead (products
+At a few rows the config key ``gemv`` runs the same inputs through :func:`.gemm.gemv_kernel` instead (products
 in fp32, int8 x int8 ones in int32; no tensor-core dot), on rows quantized before it (as with
 ``prequantize``, where the site quantizes).
 
@@ -31,7 +31,7 @@ weight's, not a few rows padded to 64.
 dequantizes each block in registers exactly as the graph did (nibble, minus the zero point, times the
 scale, rounded to the activation's dtype) before the tensor cores multiply it in that dtype. The config
 key ``paired_loads`` (ours) reads the activation's even and odd columns as contiguous pairs instead of two
-stride-2 views. At one row the config key ``gemv`` runs ``int4_gemv_kernel`` instead: the same
+stride-2 views. At a few rows the config key ``gemv`` runs ``int4_gemv_kernel`` instead: the same
 dequantization, products in fp32 summed over K after the loop (no dot, so N tiles down to one column), the
 weight read as the layer stores it, [N, K/2] bytes along contiguous K. The config key ``swap_ab`` runs
 ``swapped_int4_gemm_kernel``: the same weight read the same way, multiplied as ``w @ x.T`` so that its rows

@@ -21,9 +21,9 @@ from helion_backend.tuning.problems import TuneKey, quantizes_its_rows, wrapper_
 from helion_backend.vocabulary import FP8_BLOCK
 
 Candidate = tuple[int, int, int, int, int, int, str]
-# (block_m, block_n, block_k, num_warps, num_stages, split_k, indexing). Helion shrinks block_m to M
-# when M is smaller; "tensor_descriptor" loads through TMA where the tensor allows it (Helion falls
-# back to pointers where it does not).
+# (block_m, block_n, block_k, num_warps, num_stages, split_k, indexing). At one row Helion makes the M tile
+# one row; at more it keeps block_m and masks the rows past M. "tensor_descriptor" loads through TMA where
+# the tensor allows it (Helion falls back to pointers where it does not).
 CANDIDATES: tuple[Candidate, ...] = (
     (16, 32, 256, 4, 3, 1, "pointer"),
     (16, 64, 128, 4, 4, 1, "pointer"),
@@ -55,7 +55,8 @@ CANDIDATES: tuple[Candidate, ...] = (
     (32, 16, 512, 4, 3, 1, "pointer"),
     (32, 16, 256, 4, 4, 1, "pointer"),
 )
-# One row as a GEMV (``gemv``: kernels/gemm.py's ``gemv_kernel``, no dot, no split-K): 16-bit inputs, and
+# One row as a GEMV (``gemv``: kernels/gemm.py's ``gemv_kernel``, no dot, no split-K; a few rows through
+# :func:`gemv_rows`): 16-bit inputs, and
 # fp8/int8 rows and weights or a float row and an int8 weight (their wrapper's GEMV; see gemv_candidates).
 # With ``mode="max-autotune"`` Inductor rewrites a one-row ``mm`` as a multiply and a sum, and its reduction
 # kernel beats a one-row dot on every Qwen3 shape without a bias.
@@ -133,6 +134,8 @@ INT4_CANDIDATES = (
 INT4_GEMV_CANDIDATES = (*((bm, bn, bk // 2, w, s, sk, ix) for bm, bn, bk, w, s, sk, ix in GEMV_CANDIDATES),
                         (16, 16, 64, 4, 3, 1, "pointer"), (16, 32, 64, 4, 3, 1, "pointer"),
                         (16, 64, 64, 8, 3, 1, "pointer"))
+# The shallowest K block a GEMV candidate gets at more rows (:func:`gemv_rows`): 32 values (int4: bytes).
+MIN_GEMV_BLOCK_K = 32
 # int4 with the operands swapped (``swap_ab``: ``swapped_int4_gemm_kernel``): the one-byte swapped tiles, K
 # blocks in bytes, half as deep, and one-group steps.
 INT4_SWAPPED_CANDIDATES = ((16, 64, 128, 4, 4, 1, "pointer"), (16, 64, 128, 4, 3, 2, "pointer"),
@@ -221,10 +224,11 @@ def wgmma_candidates(m: int, n: int, one_row: bool = False, **extra: object) -> 
 
 
 def int4_candidates(key: TuneKey) -> list[helion.Config]:
-    """int4's own K blocks, each also with ``paired_loads``, then its swapped form; at one row also its GEMV
+    """int4's own K blocks, each also with ``paired_loads``, then its swapped form; at a few rows also its GEMV
     form."""
     m, n = key.m, key.n
-    gemv = candidate_configs(m, n, INT4_GEMV_CANDIDATES, **{GEMV: True}) if GEMV in wrapper_keys(key) else []
+    gemv = (candidate_configs(m, n, gemv_rows(m, INT4_GEMV_CANDIDATES), **{GEMV: True})
+            if GEMV in wrapper_keys(key) else [])
     return (candidate_configs(m, n, INT4_CANDIDATES) + candidate_configs(m, n, INT4_CANDIDATES, **{PAIRED_LOADS: True})
             + candidate_configs(m, n, INT4_SWAPPED_CANDIDATES, **{SWAP_AB: True}) + gemv)
 
@@ -309,6 +313,20 @@ def swapped_candidates(key: TuneKey) -> list[helion.Config]:
 
 
 def gemv_candidates(key: TuneKey) -> list[helion.Config]:
-    """:data:`GEMV_CANDIDATES` (``gemv``) where the key's wrapper runs the GEMV kernel: one row of the 16-bit,
-    fp8, int8 and int8 weight-only GEMMs."""
-    return candidate_configs(key.m, key.n, GEMV_CANDIDATES, **{GEMV: True}) if GEMV in wrapper_keys(key) else []
+    """:data:`GEMV_CANDIDATES` (``gemv``, at the key's rows: :func:`gemv_rows`) where the key's wrapper runs the
+    GEMV kernel: a few rows of the 16-bit, fp8, int8 and int8 weight-only GEMMs."""
+    if GEMV not in wrapper_keys(key):
+        return []
+    return candidate_configs(key.m, key.n, gemv_rows(key.m, GEMV_CANDIDATES), **{GEMV: True})
+
+
+def gemv_rows(m: int, candidates: Sequence[Candidate]) -> tuple[Candidate, ...]:
+    """GEMV candidates (tuned at one row) as M rows run them. At one row Helion makes the M tile one row
+    whatever block_m says; above it the tile is block_m rows, masked, and a step holds block_m x N block x K
+    block products. So block_m becomes M's next power of two, and the K block shrinks as many times (to no
+    less than :data:`MIN_GEMV_BLOCK_K`), which keeps a thread's products and the N tiles' grid as at one row."""
+    if m == 1:
+        return tuple(candidates)
+    rows = 1 << (m - 1).bit_length()
+    return tuple(dict.fromkeys((rows, bn, max(bk // rows, MIN_GEMV_BLOCK_K), warps, stages, split_k, indexing)
+                               for _, bn, bk, warps, stages, split_k, indexing in candidates))

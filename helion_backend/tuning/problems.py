@@ -11,7 +11,7 @@ runs today, and the family's config keys that one Helion search cannot explore (
 - ``split_k``: a split writes fp32 partial sums to a workspace of another shape and needs a finishing pass
   the autotuner never sees, so each split is searched on its own, with ``split_k`` fixed;
 - ``prequantize`` (fp8 and int8 sites that quantize their activation, option ``fuse_activation_quant``, and
-  block fp8), ``paired_loads`` (int4) and ``gemv`` (the 16-bit GEMM at one row): ours, not Helion's; with
+  block fp8), ``paired_loads`` (int4) and ``gemv`` (at a few rows): ours, not Helion's; with
   them the wrapper launches another GEMM kernel (on rows quantized by a kernel of their own; reading the
   activation as pairs; multiplying and summing without a dot).
 
@@ -327,15 +327,21 @@ def quantizes_its_rows(key: TuneKey) -> bool:
     return bool(set(key.prologue) & set(ACTIVATION_QUANT_STEPS.values()))
 
 
+# The most rows at which the GEMV form (config key ``gemv``) is tried: it takes M multiply-adds a weight on the
+# CUDA cores, where a dot takes a 16-row tile on the tensor cores at once, so past a few rows only the dot can
+# keep up with the weight's read.
+GEMV_MAX_M = 8
+
+
 def wrapper_keys(key: TuneKey) -> dict[str, tuple[bool, ...]]:
     """Our config keys that make ``key``'s wrapper run another kernel, with their values: ``prequantize`` for a
     site that quantizes its own rows (:func:`quantizes_its_rows`) and for block fp8 (whose kernel always
-    quantizes its groups itself), ``paired_loads`` for int4, ``gemv`` at one row of the
+    quantizes its groups itself), ``paired_loads`` for int4, ``gemv`` up to :data:`GEMV_MAX_M` rows in the
     families whose wrapper has it, ``swap_ab`` for those whose wrapper has it (the registry rows'
     ``wrapper_keys``)."""
     own = FAMILIES[key.kernel].wrapper_keys
     wanted = {PREQUANTIZE: quantizes_its_rows(key) or PREQUANTIZE in own, PAIRED_LOADS: PAIRED_LOADS in own,
-              GEMV: GEMV in own and key.m == 1, SWAP_AB: SWAP_AB in own}
+              GEMV: GEMV in own and key.m <= GEMV_MAX_M, SWAP_AB: SWAP_AB in own}
     return {name: (False, True) for name, wanted_here in wanted.items() if wanted_here}
 
 
