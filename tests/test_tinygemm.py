@@ -90,6 +90,7 @@ def test_scales_new_at_every_call_keep_a_bounded_number_of_forms(caplog):
     forms = [tinygemm.prepared_operands(layer.packed, each) for each in scales]
     assert all(form is not None for form in forms[:tinygemm.MAX_FORMS_PER_STORAGE])
     assert forms[-2:] == [None, None] and "no more tinygemm copies" in caplog.text
+    assert caplog.text.count("no more tinygemm copies") == 1  # said once, not at every call
 
 
 def _count_forms_made(monkeypatch) -> list[tuple[int, ...]]:

@@ -85,10 +85,11 @@ def tinygemm_mm(x: torch.Tensor, tiled: torch.Tensor, scales_and_zeros: torch.Te
     return mm(x.contiguous(), tiled, group_size, scales_and_zeros)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class _Prepared:
     owner: weakref.ref  # the storage holding the bytes
     forms: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]]  # by what each was made from (_source)
+    full: bool = False  # MAX_FORMS_PER_STORAGE reached (and said once)
 
 
 # id(storage) -> its prepared forms; an entry leaves when its storage is freed.
@@ -110,9 +111,11 @@ def prepared_operands(packed_nk: torch.Tensor,
     if entry is None or entry.owner() is not owner:
         entry = _PREPARED[id(owner)] = _Prepared(weakref.ref(owner, _forget_owner(id(owner))), {})
     if len(entry.forms) >= MAX_FORMS_PER_STORAGE:
-        log.warning("helion_inductor: no more tinygemm copies of the int4 weight [%s] kept: its bytes or scales "
-                    "came from %d places already (scales computed anew each call?); a Helion kernel runs",
-                    ", ".join(map(str, packed_nk.shape)), len(entry.forms))
+        if not entry.full:
+            entry.full = True
+            log.warning("helion_inductor: no more tinygemm copies of the int4 weight [%s] kept: its bytes or "
+                        "scales came from %d places already (scales computed anew each call?); a Helion kernel "
+                        "runs", ", ".join(map(str, packed_nk.shape)), len(entry.forms))
         return None
     form = entry.forms[source] = _outside_graph_pools(packed_nk, group_params)
     return form

@@ -56,8 +56,8 @@ CANDIDATES: tuple[Candidate, ...] = (
     (32, 16, 256, 4, 4, 1, "pointer"),
 )
 # One row as a GEMV (``gemv``: kernels/gemm.py's ``gemv_kernel``, no dot, no split-K; a few rows through
-# :func:`gemv_rows`): 16-bit inputs, and
-# fp8/int8 rows and weights or a float row and an int8 weight (their wrapper's GEMV; see gemv_candidates).
+# :func:`gemv_rows`): 16-bit inputs, and fp8/int8 rows and weights or a float row and an int8 weight (their
+# wrapper's GEMV; see gemv_candidates).
 # With ``mode="max-autotune"`` Inductor rewrites a one-row ``mm`` as a multiply and a sum, and its reduction
 # kernel beats a one-row dot on every Qwen3 shape without a bias.
 # As in that reduction, each K step only multiplies and adds into a [N block, K block] accumulator, K
@@ -227,10 +227,9 @@ def int4_candidates(key: TuneKey) -> list[helion.Config]:
     """int4's own K blocks, each also with ``paired_loads``, then its swapped form; at a few rows also its GEMV
     form."""
     m, n = key.m, key.n
-    gemv = (candidate_configs(m, n, gemv_rows(m, INT4_GEMV_CANDIDATES), **{GEMV: True})
-            if GEMV in wrapper_keys(key) else [])
     return (candidate_configs(m, n, INT4_CANDIDATES) + candidate_configs(m, n, INT4_CANDIDATES, **{PAIRED_LOADS: True})
-            + candidate_configs(m, n, INT4_SWAPPED_CANDIDATES, **{SWAP_AB: True}) + gemv)
+            + candidate_configs(m, n, INT4_SWAPPED_CANDIDATES, **{SWAP_AB: True})
+            + gemv_candidates(key, INT4_GEMV_CANDIDATES))
 
 
 def block_fp8_candidates(key: TuneKey) -> list[helion.Config]:
@@ -312,12 +311,12 @@ def swapped_candidates(key: TuneKey) -> list[helion.Config]:
     return candidate_configs(key.m, key.n, SWAPPED_CANDIDATES, **{SWAP_AB: True}, **rows)
 
 
-def gemv_candidates(key: TuneKey) -> list[helion.Config]:
-    """:data:`GEMV_CANDIDATES` (``gemv``, at the key's rows: :func:`gemv_rows`) where the key's wrapper runs the
-    GEMV kernel: a few rows of the 16-bit, fp8, int8 and int8 weight-only GEMMs."""
+def gemv_candidates(key: TuneKey, tiles: Sequence[Candidate] = GEMV_CANDIDATES) -> list[helion.Config]:
+    """The GEMV ``tiles`` (``gemv``; int4 has its own), at the key's rows (:func:`gemv_rows`), where the key's
+    wrapper runs the GEMV kernel: a few rows of the 16-bit, fp8, int8, int8 and int4 weight-only GEMMs."""
     if GEMV not in wrapper_keys(key):
         return []
-    return candidate_configs(key.m, key.n, gemv_rows(key.m, GEMV_CANDIDATES), **{GEMV: True})
+    return candidate_configs(key.m, key.n, gemv_rows(key.m, tiles), **{GEMV: True})
 
 
 def gemv_rows(m: int, candidates: Sequence[Candidate]) -> tuple[Candidate, ...]:
