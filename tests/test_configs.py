@@ -35,9 +35,13 @@ def test_shipped_h200_table_loads_every_entry():
         # The shared launches (gemm_multi, gemm_multi_fp8, ...) run sites of a member family (no rule names them).
         family = KERNEL_FAMILIES[kernel if kernel in KERNEL_FAMILIES else MEMBER_FAMILY[kernel]]
         assert dtype in family.dtypes and k > 0 and n > 0
-        # Row tiles of 16 or 32, and of 64 where both operands are one byte (Hopper's wgmma, tuning_candidates).
+        # Row tiles of 16 or 32, and of 64 where both operands are one byte (Hopper's wgmma, tuning_candidates);
+        # the GEMV form above one row tiles M by its next power of two (candidates.gemv_rows).
         row_blocks = (16, 32, 64) if dtype in ("float8_e4m3fn", "int8") else (16, 32)
-        assert all(isinstance(e.config, dict) and e.config["block_sizes"][0] in row_blocks for e in entries)
+        for e in entries:
+            assert isinstance(e.config, dict), (kernel, k, n, e.m)
+            gemv_block = 1 << (e.m - 1).bit_length() if e.config.get(tables.GEMV) and e.m > 1 else None
+            assert e.config["block_sizes"][0] in (*row_blocks, gemv_block), (kernel, k, n, e.m, e.config)
         assert [e.m for e in entries] == sorted(e.m for e in entries)
 
 
