@@ -8,6 +8,7 @@ import torch
 
 from helion_backend import tables
 from helion_backend.kernels import configs
+from helion_backend.tuning.candidates import gemv_row_block
 from helion_backend.vocabulary import KERNEL_FAMILIES, MEMBER_FAMILY
 
 CUDA = torch.device("cuda")  # a device object only: nothing runs on it here
@@ -40,7 +41,7 @@ def test_shipped_h200_table_loads_every_entry():
         row_blocks = (16, 32, 64) if dtype in ("float8_e4m3fn", "int8") else (16, 32)
         for e in entries:
             assert isinstance(e.config, dict), (kernel, k, n, e.m)
-            gemv_block = 1 << (e.m - 1).bit_length() if e.config.get(tables.GEMV) and e.m > 1 else None
+            gemv_block = gemv_row_block(e.m) if e.config.get(tables.GEMV) and e.m > 1 else None
             assert e.config["block_sizes"][0] in (*row_blocks, gemv_block), (kernel, k, n, e.m, e.config)
         assert [e.m for e in entries] == sorted(e.m for e in entries)
 

@@ -326,6 +326,11 @@ def gemv_rows(m: int, candidates: Sequence[Candidate]) -> tuple[Candidate, ...]:
     less than :data:`MIN_GEMV_BLOCK_K`), which keeps a thread's products and the N tiles' grid as at one row."""
     if m == 1:
         return tuple(candidates)
-    rows = 1 << (m - 1).bit_length()
+    rows = gemv_row_block(m)
     return tuple(dict.fromkeys((rows, bn, max(bk // rows, MIN_GEMV_BLOCK_K), warps, stages, split_k, indexing)
                                for _, bn, bk, warps, stages, split_k, indexing in candidates))
+
+
+def gemv_row_block(m: int) -> int:
+    """The M block of the GEMV tiles at ``m`` > 1 rows (:func:`gemv_rows`): M's next power of two."""
+    return 1 << (m - 1).bit_length()
