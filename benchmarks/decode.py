@@ -19,6 +19,8 @@ Typical use on the GPU machine (one call of at most ten minutes)::
     python benchmarks/decode.py --tp 2 --out-dir "$OUT"                   # sharded over 2 GPUs (decode_tp.py)
     python benchmarks/decode.py --formats int4_weight_only --batch 1 \
         --variants reduce_overhead,helion_inductor,helion_inductor_frozen  # and with frozen_weights
+    python benchmarks/decode.py --formats bf16 --batch 1 \
+        --variants reduce_overhead,compile_step_graph,helion_inductor_frozen_step_graph  # one graph a step
 
 and on a CPU, to check the script end to end (tiny model, eager and helion_inductor only)::
 
@@ -39,7 +41,11 @@ What each row measures (one row per format, batch and variant):
   cudagraph trees), which cannot be captured inside another graph: for them, CUDA events around one
   step, recorded behind a spin kernel that keeps the GPU busy until the host has queued the whole step,
   so that host time before the launch is not counted; median over ``--steps`` steps. Both figures are
-  GPU time with no host gaps; the second also holds the trees' input copies (tokens, position).
+  GPU time with no host gaps; the second also holds the trees' input copies (tokens, position). The
+  ``*_step_graph`` variants (``compile_step_graph``: torch.compile's default mode;
+  ``helion_inductor_frozen_step_graph``: the backend with ``frozen_weights`` and ``cudagraphs`` off) capture
+  the whole step once in one ``torch.cuda.CUDAGraph`` and replay it directly (:class:`StepGraph`), as serving
+  engines run a compiled model: their wall time is the step without torch.compile's per-call host path.
 - ``kernels_per_step`` and ``copies_per_step``: the GPU kernels and the memory copies and sets of one step,
   as the profiler records them over ``PROFILED_STEPS`` steps (CUPTI sees the kernels a CUDA graph
   replays too): the launches that each pay a ramp even under CUDA graphs.
@@ -333,10 +339,18 @@ HELION = "helion_inductor"
 # The backend with option frozen_weights (int4 sites may run tinygemm on a copy of the weight kept beside it):
 # beside the default in one run, where asked for.
 HELION_FROZEN = "helion_inductor_frozen"
-HELION_VARIANTS = (HELION, HELION_FROZEN)
+# Whole-step CUDA graphs (:class:`StepGraph`): a compiled model without cudagraph trees, one step captured once
+# and replayed directly, as serving engines run a compiled model; torch.compile's default mode, and the backend
+# with frozen_weights.
+COMPILE_STEP_GRAPH = "compile_step_graph"
+HELION_STEP_GRAPH = "helion_inductor_frozen_step_graph"
+STEP_GRAPH_VARIANTS = (COMPILE_STEP_GRAPH, HELION_STEP_GRAPH)
+HELION_VARIANTS = (HELION, HELION_FROZEN, HELION_STEP_GRAPH)
 DEFAULT_VARIANTS = ("eager", "reduce_overhead", "max_autotune", HELION)
-VARIANTS = (*DEFAULT_VARIANTS, HELION_FROZEN)
+VARIANTS = (*DEFAULT_VARIANTS, HELION_FROZEN, *STEP_GRAPH_VARIANTS)
 BASELINES = ("reduce_overhead", "max_autotune")  # what the summary compares helion_inductor with
+# Further (ours, theirs) pairs the summary compares where both ran: each option's effect on its own.
+PAIRS = ((HELION_FROZEN, HELION), (HELION_STEP_GRAPH, HELION_FROZEN), (HELION_STEP_GRAPH, COMPILE_STEP_GRAPH))
 
 CALLS_PER_GRAPH = 10  # eager steps captured in one CUDA graph for its GPU time
 
@@ -369,14 +383,18 @@ def compile_variant(variant: str, model: nn.Module, device: torch.device,
         return torch.compile(model, mode="reduce-overhead", dynamic=False)
     if variant == "max_autotune":
         return torch.compile(model, mode="max-autotune", dynamic=False)
+    if variant == COMPILE_STEP_GRAPH:
+        return torch.compile(model, dynamic=False)
     if variant in HELION_VARIANTS:
         import_helion_backend()
         # The backend turns CUDA graphs on by default for graphs on CUDA; a CPU graph is rewritten only
         # when asked (its fused sites then run the reference implementation).
         options = {} if device.type == "cuda" else {"rewrite_on_cpu": True}
         options |= helion_options or {}
-        if variant == HELION_FROZEN:
+        if variant in (HELION_FROZEN, HELION_STEP_GRAPH):
             options["frozen_weights"] = True
+        if variant == HELION_STEP_GRAPH:
+            options["cudagraphs"] = False  # the whole step is captured instead (StepGraph)
         return torch.compile(model, backend=HELION, options=options, dynamic=False)
     raise ValueError(f"unknown variant {variant!r}")
 
@@ -422,15 +440,56 @@ class References:
 
 def model_step(fn: Callable[..., torch.Tensor], variant: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """One decode step of ``fn``; a compiled step first tells the cudagraph trees that a new step begins
-    (the previous step's outputs may then be overwritten, which this benchmark never reads again)."""
+    (the previous step's outputs may then be overwritten, which this benchmark never reads again), and a
+    step-graph variant replays its whole step (:class:`StepGraph`)."""
     if variant == "eager":
         return fn
+    if variant in STEP_GRAPH_VARIANTS:
+        return StepGraph(fn)
 
     def step(tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         torch.compiler.cudagraph_mark_step_begin()
         return fn(tokens, pos)
 
     return step
+
+
+class StepGraph:
+    """A compiled decode step replayed as one CUDA graph, as serving engines replay a compiled model: no
+    Dynamo guards, AOTAutograd wrapper or cudagraph tree on the host between steps, only the copy of the
+    step's tokens and position into the graph's own input tensors and one ``CUDAGraph.replay``.
+
+    The first :attr:`UNCAPTURED_CALLS` calls run ``fn`` itself (the first compiles; what the backend does once
+    per weight or key happens outside any capture), the next captures a call on copies of its inputs, and
+    every call from then on replays it. The logits returned are the graph's own tensor, which the next call
+    overwrites (as cudagraph trees' outputs are). Off CUDA every call runs ``fn``."""
+
+    UNCAPTURED_CALLS = 2
+
+    def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        self.fn = fn
+        self.calls = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.logits: torch.Tensor | None = None
+
+    def __call__(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        if not tokens.is_cuda or (self.graph is None and self.calls < self.UNCAPTURED_CALLS):
+            self.calls += 1
+            return self.fn(tokens, pos)
+        if self.graph is None:
+            self._capture(tokens, pos)
+        for static, given in zip(self.inputs, (tokens, pos)):
+            static.copy_(given)
+        self.graph.replay()
+        return self.logits
+
+    def _capture(self, tokens: torch.Tensor, pos: torch.Tensor) -> None:
+        self.inputs = (tokens.clone(), pos.clone())
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self.fn(*self.inputs)
 
 
 def wall_samples(step: Callable[[], object], steps: int, device: torch.device) -> list[float]:
@@ -684,7 +743,7 @@ def count_gpu_activity(events: Iterable[tuple[Any, str]]) -> tuple[int, int]:
 def _gpu_time(result: RowResult, variant: str, timed: Callable[[], torch.Tensor], refs: References,
               plan: Plan) -> None:
     """GPU time of one step: a CUDA-graph replay for eager, events behind a spin for the compiled
-    variants (their cudagraph trees cannot be captured inside another graph)."""
+    variants (their cudagraph trees, and a step graph, are not captured inside another graph)."""
     if variant != "eager":
         result.gpu_method = "events_behind_spin"
         spin_us = max(1000.0, 2 * result.wall_us)
@@ -754,13 +813,13 @@ def baselines_in(rows: Sequence[dict]) -> list[str]:
 
 
 def summary_lines(rows: Sequence[dict]) -> list[str]:
-    """Per format: geomean over batches of helion_inductor's speedup over each baseline, wall and GPU (and of
-    helion_inductor_frozen's over each baseline and over helion_inductor, where it ran)."""
+    """Per format: geomean over batches of helion_inductor's speedup over each baseline, wall and GPU; of each
+    other backend variant that ran over each baseline; and of each of :data:`PAIRS` where both ran."""
     lines = []
-    frozen_ran = any(row["variant"] == HELION_FROZEN for row in rows)
-    comparisons = [(HELION, baseline) for baseline in baselines_in(rows)]
-    if frozen_ran:
-        comparisons += [(HELION_FROZEN, baseline) for baseline in (*baselines_in(rows), HELION)]
+    ran = {row["variant"] for row in rows}
+    ours_ran = [HELION, *(variant for variant in HELION_VARIANTS if variant != HELION and variant in ran)]
+    comparisons = [(ours, baseline) for ours in ours_ran for baseline in baselines_in(rows)]
+    comparisons += [pair for pair in PAIRS if set(pair) <= ran]
     for fmt in ordered(list(dict.fromkeys(row["format"] for row in rows)), FORMATS):
         batches = sorted({row["batch"] for row in rows if row["format"] == fmt})
         for ours, baseline in comparisons:
@@ -985,8 +1044,9 @@ WALL_METHOD = ("median over the timed steps of the host wall time of one step + 
                f"variants of one format and batch take turns, {WALL_ROUNDS} rounds of steps / {WALL_ROUNDS} "
                "steps each in a rotating order (a row's wall_method: interleaved), else alone")
 GPU_METHOD = (f"eager: {CALLS_PER_GRAPH} steps captured in one torch.cuda.CUDAGraph, median replay time "
-              "(CUDA events) / steps; compiled variants (their own cudagraph trees): CUDA events around one "
-              "step queued behind a spin kernel longer than the step's wall time, median over the timed steps")
+              "(CUDA events) / steps; compiled variants (their own cudagraph trees, or the *_step_graph "
+              "variants' one graph of the step): CUDA events around one step queued behind a spin kernel longer "
+              "than the step's wall time, median over the timed steps")
 ERROR_METHOD = ("relative Frobenius error of the logits against the eager model of the same format (quantized: "
                 "also against eager bf16), the worse of the first call at position context and, after timing, "
                 "new tokens at position context + 1")

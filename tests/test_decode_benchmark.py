@@ -148,6 +148,81 @@ def test_smoke_run_of_the_int4_model_fuses_every_linear(tmp_path):
     assert f"int4_weight_only: {decode.HELION_FROZEN} vs {decode.HELION}: wall geomean" in table, table
 
 
+def test_smoke_run_of_the_step_graph_variants(tmp_path):
+    """``compile_step_graph`` and ``helion_inductor_frozen_step_graph`` run the compiled step (on the CPU
+    uncaptured: :class:`StepGraph` captures CUDA steps only) within tolerance, and the summary compares the
+    backend's step graph with torch.compile's and with ``helion_inductor_frozen`` under its trees."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           "HELION_INDUCTOR_CACHE_DIR": str(tmp_path / "backend")}
+    variants = [decode.HELION_FROZEN, *decode.STEP_GRAPH_VARIANTS]
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode.py"), "--smoke", "--formats", "bf16",
+                             "--out-dir", str(tmp_path), "--variants", ",".join(["eager", *variants])],
+                            capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads((tmp_path / "cpu_decode.json").read_text())["rows"]
+    assert [row["variant"] for row in rows] == ["eager", *variants]
+    for row in rows[1:]:
+        assert row["error"] is None and decode.row_is_correct(row), row
+        assert row["graphs"] == 1 and row["graph_breaks"] == 0, row
+    assert "reference" in rows[-1]["helion_sites"], rows[-1]["helion_sites"]
+    table = (tmp_path / "cpu_decode.md").read_text()
+    for ours, theirs in ((decode.HELION_STEP_GRAPH, decode.COMPILE_STEP_GRAPH),
+                         (decode.HELION_STEP_GRAPH, decode.HELION_FROZEN)):
+        assert f"bf16: {ours} vs {theirs}: wall geomean" in table, table
+
+
+@pytest.mark.gpu
+def test_a_step_graph_replays_the_backends_step_at_each_new_position():
+    """On the GPU :class:`StepGraph` captures the backend's compiled step (cudagraph trees off) after its
+    uncaptured calls and then only replays it: each replay reads the tokens and position copied into the graph,
+    writes the caches at that position, and returns the eager model's logits at the same position."""
+    device = torch.device("cuda")
+    config = decode.SMOKE_CONFIG
+    models = []
+    for _ in range(2):
+        model = decode.build_model(config, torch.bfloat16, device, seed=0)
+        model.allocate_cache(batch=2, context=config.context, seed=1)
+        models.append(model)
+    eager, compiled = models
+    step = decode.model_step(decode.compile_variant(decode.HELION_STEP_GRAPH, compiled, device),
+                             decode.HELION_STEP_GRAPH)
+    generator = torch.Generator().manual_seed(2)
+    for position in range(config.context, config.context + decode.StepGraph.UNCAPTURED_CALLS + 2):
+        tokens = torch.randint(0, config.vocab, (2,), generator=generator).to(device)
+        pos = torch.tensor([position], device=device)
+        got = step(tokens, pos).clone()
+        want = eager(tokens, pos)
+        err = decode.relative_error(got, want)
+        assert err <= decode.TOLERANCES["bf16"], (position, err)
+    assert step.graph is not None  # the last two steps were replays
+    for ours, theirs in zip(compiled.layers, eager.layers):
+        for name in ("k_cache", "v_cache"):
+            err = decode.relative_error(getattr(ours.attn, name), getattr(theirs.attn, name))
+            assert err <= decode.TOLERANCES["bf16"], (name, err)
+
+
+@pytest.mark.gpu
+def test_the_step_graph_rows_time_the_replayed_step(tmp_path):
+    """``--device cuda`` with the step-graph variants: every row has a GPU time and a launch count, and the
+    targets list the backend's step graph's wall over GPU time."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           "HELION_INDUCTOR_CACHE_DIR": str(tmp_path / "backend")}
+    variants = ["reduce_overhead", *decode.STEP_GRAPH_VARIANTS]
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode.py"), "--smoke", "--device", "cuda",
+                             "--formats", "bf16", "--steps", "20", "--out-dir", str(tmp_path),
+                             "--variants", ",".join(variants)],
+                            capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (results,) = tmp_path.glob("*_decode.json")  # named by the GPU
+    rows = json.loads(results.read_text())["rows"]
+    assert [row["variant"] for row in rows] == variants
+    for row in rows:
+        assert row["error"] is None and decode.row_is_correct(row), row
+        assert row["gpu_us"] > 0 and row["kernels_per_step"] > 0, row
+    table = results.with_suffix(".md").read_text()
+    assert f"batch 1, {decode.HELION_STEP_GRAPH} bf16: wall / GPU" in table, table
+
+
 def test_interleaved_wall_times_rotate_the_variants_and_skip_each_turns_first_step():
     calls = []
     steps = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
