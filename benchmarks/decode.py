@@ -46,6 +46,8 @@ What each row measures (one row per format, batch and variant):
   ``helion_inductor_frozen_step_graph``: the backend with ``frozen_weights`` and ``cudagraphs`` off) capture
   the whole step once in one ``torch.cuda.CUDAGraph`` and replay it directly (:class:`StepGraph`), as serving
   engines run a compiled model: their wall time is the step without torch.compile's per-call host path.
+  ``helion_inductor_frozen_direct`` keeps torch.compile's call and has the backend replay its graph
+  (option ``cudagraph_runner="direct"``) instead of the cudagraph trees.
 - ``kernels_per_step`` and ``copies_per_step``: the GPU kernels and the memory copies and sets of one step,
   as the profiler records them over ``PROFILED_STEPS`` steps (CUPTI sees the kernels a CUDA graph
   replays too): the launches that each pay a ramp even under CUDA graphs.
@@ -339,18 +341,28 @@ HELION = "helion_inductor"
 # The backend with option frozen_weights (int4 sites may run tinygemm on a copy of the weight kept beside it):
 # beside the default in one run, where asked for.
 HELION_FROZEN = "helion_inductor_frozen"
+# The backend with frozen_weights and its CUDA graphs replayed by its direct runner (option cudagraph_runner).
+HELION_DIRECT = "helion_inductor_frozen_direct"
 # Whole-step CUDA graphs (:class:`StepGraph`): a compiled model without cudagraph trees, one step captured once
 # and replayed directly, as serving engines run a compiled model; torch.compile's default mode, and the backend
 # with frozen_weights.
 COMPILE_STEP_GRAPH = "compile_step_graph"
 HELION_STEP_GRAPH = "helion_inductor_frozen_step_graph"
 STEP_GRAPH_VARIANTS = (COMPILE_STEP_GRAPH, HELION_STEP_GRAPH)
-HELION_VARIANTS = (HELION, HELION_FROZEN, HELION_STEP_GRAPH)
+# Each backend variant's options besides the run's.
+HELION_VARIANT_OPTIONS: dict[str, dict[str, Any]] = {
+    HELION: {},
+    HELION_FROZEN: {"frozen_weights": True},
+    HELION_DIRECT: {"frozen_weights": True, "cudagraph_runner": "direct"},
+    HELION_STEP_GRAPH: {"frozen_weights": True, "cudagraphs": False},  # the whole step is captured instead
+}
+HELION_VARIANTS = tuple(HELION_VARIANT_OPTIONS)
 DEFAULT_VARIANTS = ("eager", "reduce_overhead", "max_autotune", HELION)
-VARIANTS = (*DEFAULT_VARIANTS, HELION_FROZEN, *STEP_GRAPH_VARIANTS)
+VARIANTS = (*DEFAULT_VARIANTS, HELION_FROZEN, HELION_DIRECT, *STEP_GRAPH_VARIANTS)
 BASELINES = ("reduce_overhead", "max_autotune")  # what the summary compares helion_inductor with
 # Further (ours, theirs) pairs the summary compares where both ran: each option's effect on its own.
-PAIRS = ((HELION_FROZEN, HELION), (HELION_STEP_GRAPH, HELION_FROZEN), (HELION_STEP_GRAPH, COMPILE_STEP_GRAPH))
+PAIRS = ((HELION_FROZEN, HELION), (HELION_DIRECT, HELION_FROZEN), (HELION_STEP_GRAPH, HELION_FROZEN),
+         (HELION_STEP_GRAPH, COMPILE_STEP_GRAPH))
 
 CALLS_PER_GRAPH = 10  # eager steps captured in one CUDA graph for its GPU time
 
@@ -390,11 +402,7 @@ def compile_variant(variant: str, model: nn.Module, device: torch.device,
         # The backend turns CUDA graphs on by default for graphs on CUDA; a CPU graph is rewritten only
         # when asked (its fused sites then run the reference implementation).
         options = {} if device.type == "cuda" else {"rewrite_on_cpu": True}
-        options |= helion_options or {}
-        if variant in (HELION_FROZEN, HELION_STEP_GRAPH):
-            options["frozen_weights"] = True
-        if variant == HELION_STEP_GRAPH:
-            options["cudagraphs"] = False  # the whole step is captured instead (StepGraph)
+        options |= (helion_options or {}) | HELION_VARIANT_OPTIONS[variant]
         return torch.compile(model, backend=HELION, options=options, dynamic=False)
     raise ValueError(f"unknown variant {variant!r}")
 

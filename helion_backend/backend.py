@@ -1,7 +1,9 @@
 """The ``helion_inductor`` backend: Inductor's ``compile_fx`` with the pass manager installed.
 
 Everything not fused is compiled by Inductor exactly as ``torch.compile`` would; the backend only adds
-its post-grad pass, CUDA graphs on by default for graphs on CUDA devices, and the report. With the option
+its post-grad pass, CUDA graphs on by default for graphs on CUDA devices (Inductor's cudagraph trees, or with the
+option ``cudagraph_runner="direct"`` its own replay of a whole inference graph, :class:`DirectCudaGraph`), and the
+report. With the option
 ``autotune_missing``, the compiled graph autotunes the Helion keys it needs that no config table holds, once,
 before it first runs (:class:`AutotuneBeforeFirstRun`).
 """
@@ -25,8 +27,14 @@ from helion_backend import code_cache, cuda_graphs, environment
 from helion_backend import report as reports
 from helion_backend.compile.manager import HelionPassManager
 from helion_backend.manifest import ManifestSite
-from helion_backend.options import SAVED_REPORTS_KEPT, SAVED_REPORTS_MAX_AGE_DAYS, BackendOptions
+from helion_backend.options import (
+    CUDAGRAPH_DIRECT,
+    SAVED_REPORTS_KEPT,
+    SAVED_REPORTS_MAX_AGE_DAYS,
+    BackendOptions,
+)
 from helion_backend.runtime import ops, verify  # noqa: F401  (ops registers the custom ops the passes insert)
+from helion_backend.runtime.direct_cuda_graph import DirectCudaGraph
 from helion_backend.runtime.token_routing import TokenRouter, make_token_counter
 from helion_backend.vocabulary import BACKEND_NAME
 
@@ -46,21 +54,25 @@ def helion_inductor(
     opts = BackendOptions.from_user(options)
     code_cache.configure(opts)
     manager = HelionPassManager(opts)
-    patches = _inductor_config(mode, opts, example_inputs)
+    direct = (_cudagraphs_on(mode, opts, example_inputs) and opts.cudagraph_runner == CUDAGRAPH_DIRECT
+              and not _needs_autograd(example_inputs))
+    patches = _inductor_config(mode, opts, example_inputs, trees=not direct)
     pristine = _copy_graph_module(gm) if _has_symbolic_inputs(example_inputs) else None
 
-    compiled = _compile(gm, example_inputs, manager, patches)
+    compiled = _compile(gm, example_inputs, manager, patches, direct)
     state = _saved_state(manager, gm, example_inputs, opts)
     if state is None:
         # Inductor's cache knew this graph but the backend's record of it is gone (deleted, say) or lacks
         # the dumps debug_dir asks for: compile it once more with the caches off, so the pipeline runs and
         # its report, dumps and routing are not lost.
         with torch._functorch.config.patch(enable_autograd_cache=False):
-            compiled = _compile(gm, example_inputs, manager, {**patches, "fx_graph_cache": False})
+            compiled = _compile(gm, example_inputs, manager, {**patches, "fx_graph_cache": False}, direct)
         state = _saved_state(manager, gm, example_inputs, opts)
     if opts.verify and state is not None:
         verify.watch(_op_sites(state))
-    routed = _route_tokens(compiled, pristine, state, example_inputs, patches, opts)
+    routed = _route_tokens(compiled, pristine, state, example_inputs, patches, opts, direct)
+    if direct:
+        routed = _with_direct_cuda_graph(routed, state)
     return _with_autotuning(routed, state, opts, example_inputs)
 
 
@@ -75,7 +87,8 @@ def _op_sites(state: dict[str, Any]) -> list[str]:
 
 
 def _route_tokens(compiled: Callable[..., Any], pristine: torch.fx.GraphModule | None, state: dict[str, Any] | None,
-                  example_inputs: Sequence[Any], patches: dict[str, Any], opts: BackendOptions) -> Callable[..., Any]:
+                  example_inputs: Sequence[Any], patches: dict[str, Any], opts: BackendOptions,
+                  direct: bool) -> Callable[..., Any]:
     """``compiled``, or with a dynamic M a router between it and a plain variant compiled from ``pristine``."""
     dynamic_sites = state["dynamic_sites"] if state else []
     if pristine is None or not dynamic_sites:
@@ -87,8 +100,33 @@ def _route_tokens(compiled: Callable[..., Any], pristine: torch.fx.GraphModule |
         return compiled
     # Compiled now, inside Dynamo's tracing context, so the variant keeps the symbolic shapes.
     plain_patches = {k: v for k, v in patches.items() if k != "post_grad_custom_pre_pass"}
-    plain = compile_fx(pristine, example_inputs, inner_compile=_inner_compile(opts), config_patches=plain_patches)
+    plain = compile_fx(pristine, example_inputs, inner_compile=_inner_compile(opts, direct=direct),
+                       config_patches=plain_patches)
     return TokenRouter(small=compiled, large=plain, site_ms=site_ms, limits=[limit for _, limit in dynamic_sites])
+
+
+def _with_direct_cuda_graph(compiled: Callable[..., Any], state: dict[str, Any] | None) -> Callable[..., Any]:
+    """``compiled`` replayed by :class:`DirectCudaGraph`, whose decisions go to its graphs' reports; as it is (no
+    CUDA graphs) where a graph of it holds custom ops not known to be capture-safe."""
+    graph_reports = [report for report, _ in (state or {}).get("graphs", [])]
+
+    def on_event(text: str) -> None:
+        for report in graph_reports:
+            report.direct_cuda_graph.append(text)
+
+    uncaptured = sorted({op for report in graph_reports for op in report.outside_cuda_graphs})
+    if uncaptured:
+        on_event(f"not replayed: it calls custom ops not known to be capture-safe ({', '.join(uncaptured)}; "
+                 "option cudagraph_safe_ops vouches for them, cudagraph_runner='trees' runs the rest under CUDA "
+                 "graphs)")
+        log.info("helion_inductor: a graph runs without CUDA graphs: custom ops %s", uncaptured)
+        return compiled
+    return DirectCudaGraph(compiled, on_event)
+
+
+def _needs_autograd(example_inputs: Sequence[Any]) -> bool:
+    """Whether AOTAutograd makes a training graph of these inputs (the direct runner replays inference only)."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
 
 
 def _with_autotuning(compiled: Callable[..., Any], state: dict[str, Any] | None, opts: BackendOptions,
@@ -165,17 +203,20 @@ class AutotuneBeforeFirstRun:
 
 
 def _compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], manager: HelionPassManager,
-             patches: dict[str, Any]) -> Callable[..., Any]:
-    return compile_fx(gm, example_inputs, inner_compile=_inner_compile(manager.options, manager),
+             patches: dict[str, Any], direct: bool) -> Callable[..., Any]:
+    return compile_fx(gm, example_inputs, inner_compile=_inner_compile(manager.options, manager, direct),
                       config_patches={**patches, "post_grad_custom_pre_pass": manager})
 
 
-def _inner_compile(opts: BackendOptions, manager: HelionPassManager | None = None) -> Callable[..., Any]:
+def _inner_compile(opts: BackendOptions, manager: HelionPassManager | None = None,
+                   direct: bool = False) -> Callable[..., Any]:
     """Inductor's ``compile_fx_inner`` with the custom ops not known to be capture-safe kept out of CUDA graphs
-    (:mod:`.cuda_graphs`); with ``manager``, which also learns the graph's kind and those ops, for its report."""
+    (:mod:`.cuda_graphs`); with ``manager``, which also learns the graph's kind and those ops, for its report.
+    ``direct``: the direct CUDA-graph runner is to replay the graph (:func:`_with_direct_cuda_graph`), which such
+    ops keep from it."""
     def inner_compile(gm: torch.fx.GraphModule, inputs: Sequence[Any], **kwargs: Any):
-        uncaptured = (cuda_graphs.ops_outside_cuda_graphs(gm.graph, opts.cudagraph_safe_ops)
-                      if torch._inductor.config.triton.cudagraphs else [])
+        captured = torch._inductor.config.triton.cudagraphs or direct
+        uncaptured = cuda_graphs.ops_outside_cuda_graphs(gm.graph, opts.cudagraph_safe_ops) if captured else []
         if manager is not None:
             manager.graph_kind = (
                 "backward" if kwargs.get("is_backward") else
@@ -188,16 +229,24 @@ def _inner_compile(opts: BackendOptions, manager: HelionPassManager | None = Non
     return inner_compile
 
 
-def _inductor_config(mode: str | None, opts: BackendOptions, example_inputs: Sequence[Any]) -> dict[str, Any]:
+def _cudagraphs_on(mode: str | None, opts: BackendOptions, example_inputs: Sequence[Any]) -> bool:
+    """Whether the graph runs under CUDA graphs: the option ``cudagraphs``, else on for a CUDA graph, except in
+    ``max-autotune-no-cudagraphs``."""
+    if opts.cudagraphs is not None:
+        return opts.cudagraphs
+    on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+    return on_cuda and mode != "max-autotune-no-cudagraphs"
+
+
+def _inductor_config(mode: str | None, opts: BackendOptions, example_inputs: Sequence[Any],
+                     trees: bool = True) -> dict[str, Any]:
+    """The ``torch._inductor.config`` patches of a compile; Inductor's CUDA graphs (its trees) only with ``trees``
+    (else the direct runner replays the graph)."""
     mode = mode or "default"
     if mode not in _MODES:
         raise ValueError(f"helion_inductor: unknown mode {mode!r}; valid modes are {list(_MODES)}")
     patches: dict[str, Any] = dict(torch._inductor.list_mode_options(mode) or {})
-    on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
-    cudagraphs = opts.cudagraphs
-    if cudagraphs is None:
-        cudagraphs = on_cuda and mode != "max-autotune-no-cudagraphs"
-    patches["triton.cudagraphs"] = bool(cudagraphs)
+    patches["triton.cudagraphs"] = _cudagraphs_on(mode, opts, example_inputs) and trees
     patches.update(opts.inductor_config)
     if opts.verify:  # the self-check runs in the first, uncaptured run: cudagraph trees' warm-up
         patches["triton.skip_cudagraph_warmup"] = False

@@ -22,6 +22,12 @@ UNTUNED_INDUCTOR = "inductor"
 UNTUNED_HELION = "helion"
 UNTUNED_SITES = (UNTUNED_INDUCTOR, UNTUNED_HELION)
 
+# Who runs a graph's CUDA graphs where they are on: Inductor's cudagraph trees, or the backend's direct replay of
+# the whole compiled graph (:mod:`helion_backend.runtime.direct_cuda_graph`), whose host path per call is shorter.
+CUDAGRAPH_TREES = "trees"
+CUDAGRAPH_DIRECT = "direct"
+CUDAGRAPH_RUNNERS = (CUDAGRAPH_TREES, CUDAGRAPH_DIRECT)
+
 # The token counts (M) the tables are tuned at: the tune command's --num-tokens default, and the Ms at which
 # placement checks a dynamic-M site's evidence.
 DEFAULT_NUM_TOKENS = (1, 2, 4, 8, 16, 24, 32)
@@ -98,6 +104,13 @@ class BackendOptions:
     """Rewrite CPU graphs too (they then run the reference implementation); for tests and inspection."""
     cudagraphs: bool | None = None
     """CUDA graphs through Inductor's cudagraph trees; None means on when the graph runs on CUDA, off elsewhere."""
+    cudagraph_runner: str = CUDAGRAPH_TREES
+    """Where CUDA graphs are on, who captures and replays them (one of :data:`CUDAGRAPH_RUNNERS`): ``trees``,
+    Inductor's cudagraph trees, as ``mode="reduce-overhead"`` has them; or ``direct``, one CUDA graph of the whole
+    compiled graph per input signature, replayed by the backend after copying in the inputs that are not static
+    and returning copies of the outputs (:mod:`helion_backend.runtime.direct_cuda_graph`), for a shorter host path
+    per call; a graph a replay could get wrong runs without CUDA graphs, and its report says why, and training
+    graphs keep the trees. Experimental: not yet run on a GPU."""
     cudagraph_safe_ops: tuple[str, ...] = ()
     """Custom ops (``"namespace::name"``) or op namespaces (``"namespace"``) known to be safe to capture in a
     CUDA graph: no host reads of their inputs, no allocation that outlives the call. Custom ops outside
@@ -174,6 +187,7 @@ class BackendOptions:
             "rmsnorm_prologue_max_m": int,
             "decode_attention_max_rows": int,
             "untuned_sites": str,
+            "cudagraph_runner": str,
             "autotune_missing": bool,
             "autotune_effort": str,
             "autotune_budget_s": int,
@@ -188,6 +202,9 @@ class BackendOptions:
         if self.untuned_sites not in UNTUNED_SITES:
             raise ValueError(f"helion_inductor: option 'untuned_sites' must be one of {list(UNTUNED_SITES)}, "
                              f"got {self.untuned_sites!r}")
+        if self.cudagraph_runner not in CUDAGRAPH_RUNNERS:
+            raise ValueError(f"helion_inductor: option 'cudagraph_runner' must be one of {list(CUDAGRAPH_RUNNERS)}, "
+                             f"got {self.cudagraph_runner!r}")
         if self.autotune_effort not in TUNE_EFFORTS:
             raise ValueError(f"helion_inductor: option 'autotune_effort' must be one of {list(TUNE_EFFORTS)}, "
                              f"got {self.autotune_effort!r}")

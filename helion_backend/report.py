@@ -127,6 +127,9 @@ class GraphReport:
     outside_cuda_graphs: list[str] = field(default_factory=list)
     # Keys of this graph's Helion sites autotuned before its first run (option autotune_missing), and how.
     autotuned: list[str] = field(default_factory=list)
+    # What the direct CUDA-graph runner did with the compiled graph this graph is part of (option
+    # cudagraph_runner="direct"): each capture, or why it runs without a CUDA graph.
+    direct_cuda_graph: list[str] = field(default_factory=list)
     # With dumps on: the picture of the graph with its sites boxed, or how to get one (graph_drawing.py).
     picture: str | None = None
 
@@ -146,6 +149,7 @@ class GraphReport:
             attention=[AttentionReport(**a) for a in data.get("attention", [])],
             outside_cuda_graphs=list(data.get("outside_cuda_graphs", [])),
             autotuned=list(data.get("autotuned", [])),
+            direct_cuda_graph=list(data.get("direct_cuda_graph", [])),
             picture=data.get("picture"),
         )
 
@@ -192,6 +196,7 @@ class GraphReport:
         lines.extend(f"  outside CUDA graphs: {op} (a custom op not known to be capture-safe; the option "
                      "cudagraph_safe_ops vouches for it)" for op in self.outside_cuda_graphs)
         lines.extend(f"  autotuned at compile time: {key}" for key in self.autotuned)
+        lines.extend(f"  direct CUDA graph: {event}" for event in self.direct_cuda_graph)
         if self.picture:
             lines.append(f"  picture: {self.picture}")
         return "\n".join(lines)

@@ -149,12 +149,13 @@ def test_smoke_run_of_the_int4_model_fuses_every_linear(tmp_path):
 
 
 def test_smoke_run_of_the_step_graph_variants(tmp_path):
-    """``compile_step_graph`` and ``helion_inductor_frozen_step_graph`` run the compiled step (on the CPU
-    uncaptured: :class:`StepGraph` captures CUDA steps only) within tolerance, and the summary compares the
-    backend's step graph with torch.compile's and with ``helion_inductor_frozen`` under its trees."""
+    """``compile_step_graph``, ``helion_inductor_frozen_step_graph`` and ``helion_inductor_frozen_direct`` run
+    the compiled step (on the CPU without CUDA graphs: :class:`StepGraph` and the direct runner capture CUDA steps
+    only) within tolerance, and the summary compares the backend's step graph with torch.compile's and with
+    ``helion_inductor_frozen`` under its trees."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
            "HELION_INDUCTOR_CACHE_DIR": str(tmp_path / "backend")}
-    variants = [decode.HELION_FROZEN, *decode.STEP_GRAPH_VARIANTS]
+    variants = [decode.HELION_FROZEN, decode.HELION_DIRECT, *decode.STEP_GRAPH_VARIANTS]
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode.py"), "--smoke", "--formats", "bf16",
                              "--out-dir", str(tmp_path), "--variants", ",".join(["eager", *variants])],
                             capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=300)
@@ -167,15 +168,20 @@ def test_smoke_run_of_the_step_graph_variants(tmp_path):
     assert "reference" in rows[-1]["helion_sites"], rows[-1]["helion_sites"]
     table = (tmp_path / "cpu_decode.md").read_text()
     for ours, theirs in ((decode.HELION_STEP_GRAPH, decode.COMPILE_STEP_GRAPH),
-                         (decode.HELION_STEP_GRAPH, decode.HELION_FROZEN)):
+                         (decode.HELION_STEP_GRAPH, decode.HELION_FROZEN), (decode.HELION_DIRECT, decode.HELION_FROZEN)):
         assert f"bf16: {ours} vs {theirs}: wall geomean" in table, table
 
 
 @pytest.mark.gpu
-def test_a_step_graph_replays_the_backends_step_at_each_new_position():
-    """On the GPU :class:`StepGraph` captures the backend's compiled step (cudagraph trees off) after its
-    uncaptured calls and then only replays it: each replay reads the tokens and position copied into the graph,
-    writes the caches at that position, and returns the eager model's logits at the same position."""
+@pytest.mark.parametrize("variant", [decode.HELION_STEP_GRAPH, decode.HELION_DIRECT])
+def test_a_replayed_step_follows_each_new_position(variant):
+    """On the GPU the step's CUDA graph, captured by :class:`StepGraph` around the compiled step or by the
+    backend's direct runner inside it, is replayed after the first calls: each replay reads the tokens and
+    position copied in, writes the caches (static inputs) at that position, and returns the eager model's logits
+    at the same position."""
+    import helion_backend
+
+    helion_backend.clear_reports()
     device = torch.device("cuda")
     config = decode.SMOKE_CONFIG
     models = []
@@ -184,8 +190,7 @@ def test_a_step_graph_replays_the_backends_step_at_each_new_position():
         model.allocate_cache(batch=2, context=config.context, seed=1)
         models.append(model)
     eager, compiled = models
-    step = decode.model_step(decode.compile_variant(decode.HELION_STEP_GRAPH, compiled, device),
-                             decode.HELION_STEP_GRAPH)
+    step = decode.model_step(decode.compile_variant(variant, compiled, device), variant)
     generator = torch.Generator().manual_seed(2)
     for position in range(config.context, config.context + decode.StepGraph.UNCAPTURED_CALLS + 2):
         tokens = torch.randint(0, config.vocab, (2,), generator=generator).to(device)
@@ -194,7 +199,13 @@ def test_a_step_graph_replays_the_backends_step_at_each_new_position():
         want = eager(tokens, pos)
         err = decode.relative_error(got, want)
         assert err <= decode.TOLERANCES["bf16"], (position, err)
-    assert step.graph is not None  # the last two steps were replays
+    if variant == decode.HELION_STEP_GRAPH:
+        assert step.graph is not None  # the last two steps were replays
+    else:
+        events = [event for report in helion_backend.get_reports() for event in report.direct_cuda_graph]
+        # Captured once; only the tokens and the position are copied in (the weights, rotary tables and caches
+        # are static inputs).
+        assert events in (["captured at input shapes [[2], [1]]"], ["captured at input shapes [[1], [2]]"]), events
     for ours, theirs in zip(compiled.layers, eager.layers):
         for name in ("k_cache", "v_cache"):
             err = decode.relative_error(getattr(ours.attn, name), getattr(theirs.attn, name))
@@ -203,11 +214,11 @@ def test_a_step_graph_replays_the_backends_step_at_each_new_position():
 
 @pytest.mark.gpu
 def test_the_step_graph_rows_time_the_replayed_step(tmp_path):
-    """``--device cuda`` with the step-graph variants: every row has a GPU time and a launch count, and the
-    targets list the backend's step graph's wall over GPU time."""
+    """``--device cuda`` with the step-graph variants and the direct runner: every row has a GPU time and a launch
+    count, and the targets list the backend's step graph's wall over GPU time."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
            "HELION_INDUCTOR_CACHE_DIR": str(tmp_path / "backend")}
-    variants = ["reduce_overhead", *decode.STEP_GRAPH_VARIANTS]
+    variants = ["reduce_overhead", decode.HELION_DIRECT, *decode.STEP_GRAPH_VARIANTS]
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode.py"), "--smoke", "--device", "cuda",
                              "--formats", "bf16", "--steps", "20", "--out-dir", str(tmp_path),
                              "--variants", ",".join(variants)],
