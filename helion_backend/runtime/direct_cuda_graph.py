@@ -1,6 +1,6 @@
 """Replay a compiled graph as one CUDA graph with a short host path (option ``cudagraph_runner="direct"``).
 
-Under Inductor's cudagraph trees every call of a compiled decode step spends most of its host time in the tree
+Under Inductor's cudagraph trees every call of a compiled decode step spends much of its host time in the tree
 (its invariant checks, input copies and output bookkeeping) and in AOTAutograd's wrapper around Inductor's code;
 serving engines skip both by capturing the step once and replaying it. :class:`DirectCudaGraph` does that for one
 compiled graph: a call at a new input signature runs the graph as it is and checks that replaying it would be
@@ -11,8 +11,8 @@ calls is never overwritten by the next replay.
 
 A graph is not replayed (it runs as compiled, with no CUDA graph, and the reason is logged and reported) where a
 replay could differ from the call: an input off the GPU or with overlapping memory, an input that is not static
-and that the graph writes to, random numbers drawn, an output that needs gradients or is a view of an input, or a
-capture that fails.
+and that the graph writes to, random numbers drawn, an output that needs gradients, is a view of an input or shares
+memory with another output, or a capture that fails.
 """
 
 from __future__ import annotations
