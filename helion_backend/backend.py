@@ -151,10 +151,6 @@ def _tuning_device(example_inputs: Sequence[Any]) -> torch.device | None:
     return next((x.device for x in example_inputs if isinstance(x, torch.Tensor) and x.is_cuda), None)
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 class AutotuneBeforeFirstRun:
     """Calls ``compiled``; the first call made outside CUDA-graph capture first autotunes the keys its graphs'
     Helion sites need and no table holds (:func:`.tuning.tune_missing`).
@@ -176,7 +172,7 @@ class AutotuneBeforeFirstRun:
         self._lock = threading.Lock()
 
     def __call__(self, *args: Any) -> Any:
-        if self._pending and not _capturing():
+        if self._pending and not cuda_graphs.stream_capturing():
             with self._lock:
                 if self._pending:
                     try:

@@ -17,6 +17,11 @@ from torch import fx
 from helion_backend.vocabulary import CAPTURE_SAFE_NAMESPACES
 
 
+def stream_capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a CUDA graph (a caller's, or a runner's)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def ops_outside_cuda_graphs(graph: fx.Graph, vouched: Iterable[str] = ()) -> list[str]:
     """The ``namespace::name.overload`` of each custom op in ``graph`` not known to be capture-safe: not in
     :data:`CAPTURE_SAFE_NAMESPACES` and not ``vouched`` for (namespaces or ``namespace::name`` packets)."""

@@ -200,7 +200,7 @@ def test_the_sweep_effort_times_candidates_at_compile_time_without_helions_autot
 
 def test_no_tuning_while_a_cuda_graph_is_captured(tmp_path, monkeypatch, fake_cuda):
     capturing = [True]
-    monkeypatch.setattr(backend, "_capturing", lambda: capturing[0])
+    monkeypatch.setattr(backend.cuda_graphs, "stream_capturing", lambda: capturing[0])
     model, x = Mlp(), torch.randn(4, 64)
     options = {"rewrite_on_cpu": True, "cache_dir": str(tmp_path), "autotune_missing": True,
                "inductor_config": {"fx_graph_cache": False}}

@@ -24,6 +24,8 @@ from typing import Any, Protocol
 
 import torch
 
+from helion_backend.cuda_graphs import stream_capturing
+
 log = logging.getLogger(__name__)
 
 # Input signatures with a captured graph each, and captures again of one signature (its static inputs moved)
@@ -51,10 +53,6 @@ def record_cuda_graph(call: Callable[[], Any]) -> tuple[Replayable, Any]:
     with torch.cuda.graph(graph):
         outputs = call()
     return graph, outputs
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def is_static_input(value: Any) -> bool:
@@ -121,7 +119,7 @@ class DirectCudaGraph:
         self.disabled: str | None = None
 
     def __call__(self, *args: Any) -> Any:
-        if self.disabled is not None or _capturing():
+        if self.disabled is not None or stream_capturing():
             return self.compiled(*args)
         if self.layout is None:
             self.layout = _Layout.of(args)

@@ -11,6 +11,7 @@ from typing import Callable, Sequence, TypeVar
 import torch
 
 from helion_backend import report
+from helion_backend.cuda_graphs import stream_capturing
 from helion_backend.environment import helion_unavailable_reason
 from helion_backend.runtime import verify
 from helion_backend.semantics.epilogue import operand_kinds, split_per_output
@@ -175,7 +176,7 @@ def _verified(site: str, m: int, fused: T, reference: Callable[[], T], dtypes: S
     ``up_to_m`` (None: at this M alone). Not checked: a (site, M) checked before, and a run being captured
     into a CUDA graph (its replays run no Python: the next uncaptured run checks). ``launch`` names the
     kernel and shape."""
-    if not verify.pending(site, m) or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+    if not verify.pending(site, m) or stream_capturing():
         return fused
     expected = reference()
     check = verify.compare(site, m, _outputs(fused), _outputs(expected), dtypes)
